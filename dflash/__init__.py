@@ -1,0 +1,1 @@
+"""dflash: train DFlash block-diffusion drafters for lossless speculative decoding."""

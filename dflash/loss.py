@@ -1,0 +1,100 @@
+"""Decay-weighted cross-entropy (and optional KL) through the frozen LM head, chunked.
+
+``anchors * B x vocab`` fp32 logits are never materialised at once: rows are
+processed ``chunk_size`` at a time, and since the LM head is frozen the only
+gradient needed is the one of the drafter's hidden states, which is computed
+chunk by chunk in the forward and handed back in the backward. The autograd
+graph therefore holds ``[rows, H]``, not ``[rows, V]``.
+
+The returned loss is a weighted **sum**; the trainer divides the gradients by
+the sum of weights over the whole optimizer step (all micro-batches, all
+drafter ranks), so the split into micro-batches never changes training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor  # scalar, sum_i w_i * (ce_weight * ce_i + kl_weight * kl_i)
+    predictions: torch.Tensor  # [rows] argmax of the drafter logits
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size):
+        grad_hidden = torch.empty_like(hidden)
+        predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = (hidden[rows] @ head_weight.t()).float()
+            w = weights[rows].float()
+            log_probs = logits.log_softmax(-1)
+            probs = log_probs.exp()
+            grad_logits = torch.zeros_like(logits)
+            if ce_weight:
+                nll = -log_probs.gather(1, labels[rows, None]).squeeze(1)
+                total = total + ce_weight * (w * nll).sum()
+                grad_logits += ce_weight * w[:, None] * probs
+                grad_logits.scatter_add_(1, labels[rows, None], (-ce_weight * w)[:, None])
+            if kl_weight:
+                t_log_probs = teacher_logits[rows].float().log_softmax(-1)
+                t_probs = t_log_probs.exp()
+                kl = (t_probs * (t_log_probs - log_probs.gather(1, teacher_idx[rows]))).sum(-1)
+                total = total + kl_weight * (w * kl).sum()
+                grad_logits += kl_weight * w[:, None] * probs
+                grad_logits.scatter_add_(1, teacher_idx[rows], -kl_weight * w[:, None] * t_probs)
+            grad_hidden[rows] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+            predictions[rows] = logits.argmax(-1)
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(predictions)
+        return total, predictions
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_predictions):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+
+
+def head_loss(
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    teacher_idx: torch.Tensor | None = None,
+    teacher_logits: torch.Tensor | None = None,
+    ce_weight: float = 1.0,
+    kl_weight: float = 0.0,
+    chunk_size: int = 1024,
+) -> LossOutput:
+    """Loss of ``hidden [rows, H]`` through the frozen ``head_weight [V, H]``.
+
+    ``teacher_idx``/``teacher_logits`` ``[rows, k]`` are the target's top-k logits
+    for the token each row predicts; the KL is taken against their softmax.
+    """
+    if kl_weight and teacher_logits is None:
+        raise ValueError("loss.kl_weight > 0 needs the target's top-k logits (loss.kl_topk > 0)")
+    if teacher_idx is None:
+        teacher_idx = labels[:, None]
+        teacher_logits = hidden.new_zeros(labels.shape[0], 1, dtype=torch.float32)
+    total, predictions = _ChunkedHeadLoss.apply(
+        hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size
+    )
+    return LossOutput(total, predictions)
+
+
+def slot_accuracy(predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int):
+    """Per-slot (correct, counted) sums over a micro-batch, ``[B]`` each, on device."""
+    valid = (weights > 0).view(-1, block_size)
+    correct = ((predictions == labels.view(-1)).view(-1, block_size) & valid).sum(0)
+    return correct, valid.sum(0)
+
+
+def tau_sim(acc: torch.Tensor) -> float:
+    """Simulated acceptance length ``1 + sum_k prod_{i<=k} acc_i`` over slots 1..B-1."""
+    return float(1.0 + torch.cumprod(acc[1:].double(), 0).sum())

@@ -1,0 +1,73 @@
+"""Metrics: ``metrics.jsonl`` in the output directory, W&B, and a progress line.
+
+Only the metrics rank writes (the first drafter rank; colocated: the only one).
+Per-slot accuracies ``acc_k`` and ``tau_sim`` are derived here from the step's
+sums so every sink sees the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from dflash.loss import tau_sim
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: Path, wandb_cfg: dict, run_config: dict, enabled: bool = True):
+        self.enabled = enabled
+        self.path = output_dir / "metrics.jsonl"
+        self.run = None
+        if enabled and wandb_cfg["mode"] != "disabled":
+            import wandb
+
+            self.run = wandb.init(
+                project=wandb_cfg["project"],
+                name=wandb_cfg.get("name"),
+                mode=wandb_cfg["mode"],
+                dir=str(output_dir),
+                config=run_config,
+            )
+        self._last = time.perf_counter()
+
+    def log_step(self, step: int, total_steps: int, m: dict, extra: dict | None = None) -> dict:
+        now = time.perf_counter()
+        elapsed, self._last = now - self._last, now
+        acc: torch.Tensor = m["acc"]
+        record = {
+            "step": step,
+            "loss": m["loss"],
+            "tau_sim": tau_sim(acc),
+            "lr": m["lr"],
+            "grad_norm": m["grad_norm"],
+            "samples_per_s": m["samples"] / elapsed,
+            "tokens_per_s": m["tokens"] / elapsed,
+            **{f"acc_{k}": float(a) for k, a in enumerate(acc.tolist()) if k >= 1},
+            **(extra or {}),
+        }
+        if self.enabled:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+            if self.run is not None:
+                self.run.log(record, step=step)
+            log.info(
+                "step %d/%d loss %.4f tau_sim %.3f acc_1 %.3f lr %.2e %.1f samples/s",
+                step, total_steps, record["loss"], record["tau_sim"], record.get("acc_1", 0.0), record["lr"],
+                record["samples_per_s"],
+            )
+        return record
+
+    def reset_clock(self) -> None:
+        self._last = time.perf_counter()
+
+    def close(self, summary: dict | None = None) -> None:
+        if self.run is not None:
+            if summary:
+                self.run.summary.update(summary)
+            self.run.finish()

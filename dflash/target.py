@@ -1,0 +1,130 @@
+"""The frozen target: loading, and a prefill that captures only the chosen layers.
+
+Hidden states are taken with forward hooks on the chosen decoder layers, so a
+prefill never keeps all ``L + 1`` hidden states the way ``output_hidden_states``
+does. Layer id ``i`` is the output of decoder layer ``i`` (HF
+``hidden_states[i + 1]``), the convention of the z-lab checkpoints and of the
+serving engines' ``target_layer_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from dflash.model import TargetHead
+
+MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
+
+
+def resolve_path(path: str) -> Path:
+    """A local model directory; the shipped demo target is addressed as ``demo``."""
+    if path == "demo":
+        return Path(__file__).parent / "assets" / "demo_target"
+    resolved = Path(path).expanduser()
+    if not (resolved / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target.path={path!r} is not a local HF model directory (no config.json); "
+            "download the model first (e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir ...`)"
+        )
+    return resolved
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder-layer list of an HF causal LM (``model.model.layers`` for Llama/Qwen)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase, vocab_size: int, configured: int | None) -> int:
+    """The mask id must be a row of the target embedding, or the drafter sees garbage."""
+    if configured is None:
+        for tok in MASK_TOKEN_CANDIDATES:
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+                configured = tid
+                break
+        else:
+            raise ValueError(
+                "the tokenizer has no mask token; set target.mask_token_id to a reserved id "
+                f"inside the embedding (0 <= id < {vocab_size}), e.g. 151669 for Qwen3"
+            )
+    if not 0 <= configured < vocab_size:
+        raise ValueError(
+            f"target.mask_token_id={configured} is outside the target embedding (vocab_size={vocab_size})"
+        )
+    return configured
+
+
+@dataclass
+class PrefillOutput:
+    features: torch.Tensor  # [b, S, n*H], the chosen layers' hidden states side by side
+    topk_values: torch.Tensor | None = None  # [b, S, k] target logits (for the KL loss)
+    topk_indices: torch.Tensor | None = None  # [b, S, k]
+
+
+class Target:
+    """A frozen HF causal LM that yields context features for the drafter."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model = model.eval().requires_grad_(False)
+        layers = decoder_layers(model)
+        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"target layer ids {bad} outside 0..{len(layers) - 1}")
+        self.layer_ids = list(layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in set(layer_ids):
+            layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @property
+    def num_layers(self) -> int:
+        return len(decoder_layers(self.model))
+
+    def head(self) -> TargetHead:
+        """The frozen embedding and LM head, sharing storage with the target."""
+        return TargetHead(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight)
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, topk: int = 0) -> PrefillOutput:
+        self._captured.clear()
+        if topk:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=0)
+            values, indices = out.logits.float().topk(topk, dim=-1)
+        else:
+            self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            values = indices = None
+        features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return PrefillOutput(features, values, indices)
+
+
+def load_target(
+    path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False
+) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    """Load a local HF model and its tokenizer; nothing is downloaded."""
+    local = resolve_path(path)
+    config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        local,
+        config=config,
+        dtype=dtype,
+        trust_remote_code=trust_remote_code,
+        local_files_only=True,
+        attn_implementation="sdpa",
+    ).to(device)
+    tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
+    return model.eval().requires_grad_(False), tokenizer
