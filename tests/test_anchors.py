@@ -1,0 +1,80 @@
+"""Anchors and blocks: same-position labels, no loss on the anchor, batch independence."""
+
+import torch
+
+from dflash.anchors import batch_anchors, decay_weights, make_blocks, sample_anchors, sample_generator
+
+B = 4
+MASK = 99
+
+
+def one_batch(lengths, seq_len=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 90, (len(lengths), seq_len), generator=g)
+    loss_mask = torch.zeros(len(lengths), seq_len, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        loss_mask[r, 5:n] = 1
+    return ids, loss_mask, torch.tensor(lengths)
+
+
+def test_anchor_positions_are_valid_and_sorted():
+    _, loss_mask, lengths = one_batch([20])
+    anchors, keep = sample_anchors(loss_mask[0, :20], 6, B, sample_generator(0, 0, 7))
+    kept = anchors[keep]
+    assert keep.all() and len(kept) == 6
+    assert (kept >= 5).all() and (kept + B <= 20).all(), "anchors must be response tokens with room for a block"
+    assert torch.equal(kept, kept.sort().values)
+
+
+def test_short_sequence_pads_with_keep_false():
+    loss_mask = torch.tensor([0, 0, 1, 1, 1, 1, 1])  # valid anchors: 2, 3 (a + 4 <= 7)
+    anchors, keep = sample_anchors(loss_mask, 5, B, sample_generator(0, 0, 0))
+    assert keep.tolist() == [True, True, False, False, False]
+    assert anchors[:2].tolist() == [2, 3] and (anchors[2:] == 0).all()
+
+
+def test_anchors_do_not_depend_on_batch_composition():
+    ids, loss_mask, lengths = one_batch([20, 24, 17])
+    idx = torch.tensor([11, 12, 13])
+    full_a, full_k = batch_anchors(loss_mask, lengths, idx, 2, 0, 6, B)
+    alone_a, alone_k = batch_anchors(loss_mask[1:2, :], lengths[1:2], idx[1:2], 2, 0, 6, B)
+    assert torch.equal(full_a[1], alone_a[0]) and torch.equal(full_k[1], alone_k[0])
+    # padding the batch wider does not change them either
+    wide = torch.nn.functional.pad(loss_mask, (0, 40))
+    wide_a, _ = batch_anchors(wide, lengths, idx, 2, 0, 6, B)
+    assert torch.equal(wide_a, full_a)
+    # a new epoch redraws
+    other, _ = batch_anchors(loss_mask, lengths, idx, 3, 0, 6, B)
+    assert not torch.equal(other, full_a)
+
+
+def test_labels_are_same_position_and_anchor_has_no_loss():
+    ids, loss_mask, lengths = one_batch([20, 24])
+    anchors, keep = batch_anchors(loss_mask, lengths, torch.tensor([0, 1]), 0, 0, 3, B)
+    blocks = make_blocks(ids, loss_mask, lengths, anchors, keep, B, MASK, gamma=7.0)
+    for r in range(2):
+        for j in range(3):
+            a = int(anchors[r, j])
+            sl = slice(j * B, (j + 1) * B)
+            assert blocks.ids[r, sl].tolist() == [int(ids[r, a])] + [MASK] * (B - 1)
+            assert blocks.labels[r, sl].tolist() == ids[r, a : a + B].tolist(), "label of slot k is token[a+k]"
+            assert blocks.positions[r, sl].tolist() == list(range(a, a + B))
+            assert blocks.weights[r, j * B] == 0, "the anchor slot carries no loss"
+            assert torch.allclose(blocks.weights[r, j * B + 1 : (j + 1) * B], decay_weights(B, 7.0)[1:])
+
+
+def test_no_loss_outside_loss_mask_or_for_padded_anchors():
+    ids = torch.arange(30).view(1, 30)
+    loss_mask = torch.zeros(1, 30, dtype=torch.long)
+    loss_mask[0, 10:12] = 1  # anchors 10 and 11 only; the third slot is padding
+    anchors, keep = batch_anchors(loss_mask, torch.tensor([30]), torch.tensor([0]), 0, 0, 3, B)
+    assert keep.tolist() == [[True, True, False]] and anchors[0, :2].tolist() == [10, 11]
+    blocks = make_blocks(ids, loss_mask, torch.tensor([30]), anchors, keep, B, MASK, gamma=7.0)
+    assert (blocks.weights[0, :B] > 0).tolist() == [False, True, False, False], "labels 12, 13 are outside the loss mask"
+    assert (blocks.weights[0, B:] == 0).all()
+
+
+def test_decay_weights():
+    w = decay_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1.0
+    torch.testing.assert_close(w[15], torch.tensor(torch.e ** -2.0))

@@ -1,0 +1,90 @@
+"""The loss is normalised over the whole optimizer step, never per micro-batch."""
+
+import copy
+
+import torch
+
+from conftest import tiny_drafter, tiny_head
+from dflash.data import MicroBatch
+from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
+from dflash.target import PrefillOutput
+
+BS = 4
+
+
+def batch(rows, lengths, seq_len=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = len(rows)
+    ids = torch.randint(0, 90, (n, seq_len), generator=g)
+    loss_mask = torch.zeros(n, seq_len, dtype=torch.long)
+    attn = torch.zeros(n, seq_len, dtype=torch.long)
+    for r, length in enumerate(lengths):
+        loss_mask[r, 4:length] = 1
+        attn[r, :length] = 1
+    feats = torch.randn(n, seq_len, 3 * 64, generator=g)
+    mb = MicroBatch(ids, loss_mask, attn, torch.tensor(lengths), torch.tensor(rows), epoch=0)
+    return mb, PrefillOutput(feats)
+
+
+def split(mb: MicroBatch, pf: PrefillOutput, sl: slice):
+    return (
+        MicroBatch(mb.input_ids[sl], mb.loss_mask[sl], mb.attention_mask[sl], mb.lengths[sl], mb.sample_index[sl], mb.epoch),
+        PrefillOutput(pf.features[sl]),
+    )
+
+
+def make_trainer(drafter, sgd: bool = False):
+    """SGD makes the update the normalised gradient itself; AdamW's first step would hide its scale."""
+    opt = torch.optim.SGD(drafter.parameters(), lr=1.0) if sgd else build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
+    obj = ObjectiveConfig(num_anchors=6, block_size=BS, mask_token_id=95, gamma=7.0, seed=0)
+    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1e9, autocast_dtype=None)
+
+
+def test_accumulation_equals_one_big_micro_batch():
+    base = tiny_drafter(block_size=BS)
+    mb, pf = batch(rows=[0, 1, 2, 3], lengths=[32, 12, 30, 9])  # uneven: weight sums differ per half
+
+    one = make_trainer(copy.deepcopy(base), sgd=True)
+    one.micro_step(mb, pf)
+    m_one = one.finish()
+
+    two = make_trainer(copy.deepcopy(base), sgd=True)
+    for sl in (slice(0, 2), slice(2, 4)):
+        two.micro_step(*split(mb, pf, sl))
+    m_two = two.finish()
+
+    assert abs(m_one["loss"] - m_two["loss"]) < 1e-5
+    for a, b in zip(one.drafter.parameters(), two.drafter.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_per_micro_batch_normalisation_would_differ():
+    """Guard that the batch above can tell the two normalisations apart."""
+    mb, pf = batch(rows=[0, 1, 2, 3], lengths=[32, 12, 30, 9])
+    sums = []
+    for sl in (slice(0, 2), slice(2, 4)):
+        t = make_trainer(tiny_drafter(block_size=BS))
+        t.micro_step(*split(mb, pf, sl))
+        sums.append(float(t.stats.weight_sum))
+    assert abs(sums[0] - sums[1]) > 1.0
+
+
+def test_step_without_valid_anchor_is_skipped():
+    t = make_trainer(tiny_drafter(block_size=BS))
+    before = [p.detach().clone() for p in t.drafter.parameters()]
+    mb, pf = batch(rows=[0], lengths=[32])
+    mb.loss_mask.zero_()
+    t.micro_step(mb, pf)
+    assert t.finish() is None
+    assert all(torch.equal(a, b) for a, b in zip(before, t.drafter.parameters()))
+
+
+def test_training_reduces_loss_on_a_fixed_batch():
+    t = make_trainer(tiny_drafter(block_size=BS))
+    mb, pf = batch(rows=[0, 1], lengths=[32, 28])
+    losses = []
+    for _ in range(8):
+        t.micro_step(mb, pf)
+        losses.append(t.finish()["loss"])
+    assert losses[-1] < losses[0]

@@ -1,0 +1,60 @@
+"""Target capture: layer ids follow the serving engines' convention."""
+
+import pytest
+import torch
+
+from conftest import tiny_target
+from dflash.model import default_target_layer_ids
+from dflash.target import Target, resolve_mask_token_id
+
+
+def test_default_layer_ids_match_z_lab():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]  # Qwen3.5-27B
+    assert default_target_layer_ids(8, 5) == [1, 2, 3, 4, 5]
+
+
+def test_hooks_capture_hidden_states_at_id_plus_one():
+    """Layer id i is HF hidden_states[i + 1] (the output of decoder layer i), not hidden_states[i]."""
+    model = tiny_target()
+    ids = torch.randint(0, 90, (2, 11))
+    attn = torch.ones_like(ids)
+    target = Target(model, [1, 3, 4])
+    feats = target.prefill(ids, attn).features
+    hs = model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    expected = torch.cat([hs[i + 1] for i in (1, 3, 4)], dim=-1)
+    torch.testing.assert_close(feats, expected)
+    off_by_one = torch.cat([hs[i] for i in (1, 3, 4)], dim=-1)
+    assert not torch.allclose(feats, off_by_one)
+
+
+def test_prefill_topk_logits():
+    model = tiny_target()
+    ids = torch.randint(0, 90, (1, 7))
+    out = Target(model, [1]).prefill(ids, torch.ones_like(ids), topk=5)
+    logits = model(input_ids=ids).logits
+    torch.testing.assert_close(out.topk_values, logits.topk(5, dim=-1).values)
+
+
+def test_layer_ids_out_of_range_are_rejected():
+    with pytest.raises(ValueError, match="outside"):
+        Target(tiny_target(num_layers=4), [1, 4])
+
+
+class _Tok:
+    unk_token_id = 0
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def convert_tokens_to_ids(self, tok):
+        return self.vocab.get(tok, 0)
+
+
+def test_mask_token_must_be_inside_the_embedding():
+    assert resolve_mask_token_id(_Tok({"<|MASK|>": 7}), 10, None) == 7
+    assert resolve_mask_token_id(_Tok({}), 152000, 151669) == 151669
+    with pytest.raises(ValueError, match="outside the target embedding"):
+        resolve_mask_token_id(_Tok({}), 151669, 151669)
+    with pytest.raises(ValueError, match="no mask token"):
+        resolve_mask_token_id(_Tok({}), 10, None)
