@@ -89,21 +89,3 @@ def make_blocks(
     weights = torch.where(has_loss, weights, 0.0)
     return Blocks(ids, positions.flatten(1), labels, weights, gather_at)
 
-
-def batch_anchors(
-    loss_mask: torch.Tensor,
-    lengths: torch.Tensor,
-    sample_index: torch.Tensor,
-    epoch: int,
-    seed: int,
-    num_anchors: int,
-    block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchors ``[b, n]`` and keep ``[b, n]`` for a CPU micro-batch, one generator per sequence."""
-    rows = [
-        sample_anchors(
-            loss_mask[r, : int(lengths[r])], num_anchors, block_size, sample_generator(seed, epoch, int(sample_index[r]))
-        )
-        for r in range(loss_mask.shape[0])
-    ]
-    return torch.stack([a for a, _ in rows]), torch.stack([k for _, k in rows])

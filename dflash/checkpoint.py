@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -44,22 +45,27 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     keep: int,
-    extra: dict | None = None,
+    group=None,
 ) -> Path:
+    """Every drafter rank calls this with the drafter ``group`` (replicated state is
+    written once); the first rank of the group renames and prunes."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step, "extra": extra or {}}
+    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp_step_{step:08d}"
     shutil.rmtree(tmp, ignore_errors=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        dcp.save(state, checkpoint_id=str(tmp))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    log.info("saved checkpoint %s", final)
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    if group is None or dist.get_rank(group) == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("saved checkpoint %s", final)
+    if group is not None:
+        dist.barrier(group=group)
     return final
 
 
@@ -68,16 +74,17 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> tuple[int, dict]:
-    """Restore in place; returns (step, extra)."""
+    group=None,
+) -> int:
+    """Restore in place; returns the step the checkpoint was taken after."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": 0, "extra": {}}
+    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": 0}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
-    return int(state["step"]), state["extra"]
+    return int(state["step"])
 
 
 def resolve_resume(resume: str, root: Path) -> Path | None:

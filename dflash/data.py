@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from dflash.anchors import sample_anchors, sample_generator
+
 log = logging.getLogger(__name__)
 
 ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
@@ -159,18 +161,27 @@ def load_dataset(
 
 @dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # [b, S] padded to a length bucket
+    """One micro-batch, padded to a length bucket, with its anchors already drawn.
+
+    Anchors are drawn here, on the host, where the data is produced: the drafter
+    step then needs no host sync, and a target rank can ship them in the bundle.
+    """
+
+    input_ids: torch.Tensor  # [b, S]
     loss_mask: torch.Tensor  # [b, S]
-    attention_mask: torch.Tensor  # [b, S]
     lengths: torch.Tensor  # [b]
-    sample_index: torch.Tensor  # [b] index into the dataset (seeds the anchors)
+    anchors: torch.Tensor  # [b, num_anchors]
+    keep: torch.Tensor  # [b, num_anchors] bool: False for slots that could not be filled
     epoch: int
 
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        positions = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        return (positions[None] < self.lengths[:, None]).long()
+
     def to(self, device: torch.device) -> "MicroBatch":
-        return MicroBatch(
-            *(t.to(device, non_blocking=True) for t in (self.input_ids, self.loss_mask, self.attention_mask, self.lengths, self.sample_index)),
-            self.epoch,
-        )
+        moved = (t.to(device, non_blocking=True) for t in (self.input_ids, self.loss_mask, self.lengths, self.anchors, self.keep))
+        return MicroBatch(*moved, self.epoch)
 
 
 def bucket_length(length: int, buckets: list[int]) -> int:
@@ -211,16 +222,27 @@ class Schedule:
         return epoch, self.permutation(epoch)[start : start + self.micro_batch_size]
 
 
-def collate(dataset: Dataset, epoch: int, indices: np.ndarray, buckets: list[int], pad_id: int) -> MicroBatch:
+@dataclass
+class AnchorSpec:
+    num_anchors: int
+    block_size: int
+    seed: int
+
+
+def collate(
+    dataset: Dataset, epoch: int, indices: np.ndarray, buckets: list[int], pad_id: int, spec: AnchorSpec
+) -> MicroBatch:
     rows = [dataset.samples[i] for i in indices]
     lengths = [len(r.input_ids) for r in rows]
     width = bucket_length(max(lengths), buckets)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, row in enumerate(rows):
+    anchors, keep = [], []
+    for r, (i, row) in enumerate(zip(indices, rows)):
         n = len(row.input_ids)
         ids[r, :n] = torch.tensor(row.input_ids)
         mask[r, :n] = torch.tensor(row.loss_mask)
-        attn[r, :n] = 1
-    return MicroBatch(ids, mask, attn, torch.tensor(lengths), torch.as_tensor(indices, dtype=torch.long), epoch)
+        a, k = sample_anchors(mask[r, :n], spec.num_anchors, spec.block_size, sample_generator(spec.seed, epoch, int(i)))
+        anchors.append(a)
+        keep.append(k)
+    return MicroBatch(ids, mask, torch.tensor(lengths), torch.stack(anchors), torch.stack(keep), epoch)

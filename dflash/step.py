@@ -13,9 +13,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from dflash.anchors import batch_anchors, make_blocks
+from dflash.anchors import make_blocks
 from dflash.data import MicroBatch
 from dflash.loss import head_loss, slot_accuracy
 from dflash.masks import build_mask
@@ -25,11 +26,9 @@ from dflash.target import PrefillOutput
 
 @dataclass
 class ObjectiveConfig:
-    num_anchors: int
     block_size: int
     mask_token_id: int
     gamma: float
-    seed: int
     ce_weight: float = 1.0
     kl_weight: float = 0.0
     chunk_size: int = 1024
@@ -89,16 +88,12 @@ class DrafterTrainer:
     def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
         """Forward + backward of one micro-batch; gradients accumulate unnormalised."""
         obj = self.obj
-        anchors, keep = batch_anchors(
-            batch.loss_mask, batch.lengths, batch.sample_index, batch.epoch, obj.seed, obj.num_anchors, obj.block_size
-        )
         batch = batch.to(self.device)
-        anchors, keep = anchors.to(self.device), keep.to(self.device)
         blocks = make_blocks(
-            batch.input_ids, batch.loss_mask, batch.lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma
+            batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep, obj.block_size, obj.mask_token_id, obj.gamma
         )
         b, seq_len = batch.input_ids.shape
-        mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex)
+        mask = build_mask(batch.anchors, seq_len, obj.block_size, self.use_flex)
         ctx_positions = torch.arange(seq_len, device=self.device).expand(b, seq_len)
         teacher_idx = teacher_logits = None
         if obj.kl_weight:
@@ -128,13 +123,25 @@ class DrafterTrainer:
         s.samples += b
         s.tokens += int(batch.lengths.sum())
 
-    def finish(self) -> dict | None:
-        """Normalise by the step's total weight, clip, update. Returns metrics, or
-        ``None`` when the step was skipped (no valid anchor, or a non-finite loss)."""
+    def finish(self, group=None) -> dict | None:
+        """Reduce over the drafter ``group`` (if any), normalise by the step's total
+        weight, clip, update. Returns metrics, or ``None`` when every rank skips the
+        step (no valid anchor anywhere, or a non-finite loss)."""
         s, self.stats = self.stats, self._fresh_stats()
         params = [p for p in self.drafter.parameters() if p.grad is not None]
-        weight = float(s.weight_sum)
-        loss = float(s.loss_sum) / weight if weight > 0 else float("nan")
+        sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted,
+                          torch.tensor([s.samples, s.tokens], dtype=torch.float32, device=self.device)])
+        if group is not None:
+            flat = torch.cat([p.grad.flatten() for p in params])
+            dist.all_reduce(flat, group=group)
+            dist.all_reduce(sums, group=group)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        b = self.obj.block_size
+        loss_sum, weight, correct, counted = sums[0], float(sums[1]), sums[2 : 2 + b], sums[2 + b : 2 + 2 * b]
+        loss = float(loss_sum) / weight if weight > 0 else float("nan")
         if weight <= 0 or not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             return None
@@ -145,8 +152,14 @@ class DrafterTrainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        acc = (s.correct / s.counted.clamp(min=1)).cpu()
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "acc": acc, "samples": s.samples, "tokens": s.tokens}
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "acc": (correct / counted.clamp(min=1)).cpu(),
+            "samples": int(sums[-2]),
+            "tokens": int(sums[-1]),
+        }
 
 
 def build_optimizer(drafter: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):

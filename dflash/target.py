@@ -9,10 +9,12 @@ serving engines' ``target_layer_ids``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -110,6 +112,44 @@ class Target:
         features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return PrefillOutput(features, values, indices)
+
+
+def _param_name(model: nn.Module, param: torch.Tensor) -> str:
+    return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)
+
+
+def load_head(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> TargetHead:
+    """Only the embedding and LM head of the target, read straight from its safetensors.
+
+    Drafter ranks need these two matrices, not the whole target; the parameter
+    names come from the model class built on the meta device, so any HF causal
+    LM layout works, tied embeddings included.
+    """
+    local = resolve_path(path)
+    config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    embed_name = _param_name(skeleton, skeleton.get_input_embeddings().weight)
+    head_name = _param_name(skeleton, skeleton.get_output_embeddings().weight)
+    index = local / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+    def read(name: str) -> torch.Tensor | None:
+        file = local / (files.get(name, "") if files is not None else "model.safetensors")
+        if not file.is_file():
+            return None
+        with safe_open(file, "pt", device="cpu") as f:
+            return f.get_tensor(name).to(device=device, dtype=dtype) if name in f.keys() else None
+
+    embed = read(embed_name)
+    if embed is None:
+        raise FileNotFoundError(f"{local} has no tensor {embed_name!r} in its safetensors files")
+    head = read(head_name)
+    if head is None:
+        if not getattr(config.get_text_config(), "tie_word_embeddings", False):
+            raise FileNotFoundError(f"{local} has no tensor {head_name!r} and its embeddings are not tied")
+        head = embed
+    return TargetHead(embed, head)
 
 
 def load_target(

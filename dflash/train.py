@@ -1,45 +1,97 @@
-"""Train a DFlash drafter: ``python -m dflash.train [key=value ...]``.
+"""Train a DFlash drafter.
 
-Reads top-down: pick the device, load the frozen target, build the drafter on
-the target's shapes, load the data, then loop: target prefill -> drafter
-forward/backward per micro-batch, one optimizer step per global batch. At the
-end the drafter is exported in the z-lab HF layout and evaluated with real
-speculative decoding on held-out prompts.
+    python -m dflash.train [key=value ...]                        # colocated, one process
+    torchrun --nproc_per_node=N -m dflash.train topology.target_ranks=T [key=value ...]
+
+Colocated, one process runs the target prefill then the drafter step for each
+micro-batch. Disaggregated, ranks ``0..T-1`` run the target and stream batch
+bundles to the drafter ranks ``T..N-1``, which train and reduce gradients among
+themselves. Both walk the same deterministic schedule, so they train
+identically. At the end the drafter is exported in the z-lab HF layout and
+evaluated with real speculative decoding on held-out prompts.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash.anchors import default_gamma
 from dflash.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from dflash.data import Schedule, collate, load_dataset
+from dflash.data import AnchorSpec, Dataset, MicroBatch, Schedule, collate, load_dataset
 from dflash.export import save_export
 from dflash.metrics import MetricsLogger
-from dflash.model import DFlashDrafter, DrafterConfig, default_target_layer_ids
+from dflash.model import DFlashDrafter, DrafterConfig, TargetHead, default_target_layer_ids
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
-from dflash.target import Target, load_target, resolve_mask_token_id
+from dflash.target import PrefillOutput, Target, load_head, load_target, resolve_mask_token_id, resolve_path
+from dflash.topology import Groups, Topology, auto_target_ranks, init_groups
+from dflash.transport import FLAG_END, BundleReceiver, BundleSender, Expected
 
 log = logging.getLogger("dflash.train")
 
+Feed = Callable[[int], Iterator[tuple[MicroBatch, PrefillOutput]]]
+
 
 def pick_device() -> tuple[torch.device, torch.dtype]:
-    """CUDA in bf16 when present, else the CPU in fp32."""
+    """CUDA in bf16 when present (each rank sees its GPU as ``cuda:0`` or by
+    LOCAL_RANK), else the CPU in fp32."""
     if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+        index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index), torch.bfloat16
     return torch.device("cpu"), torch.float32
+
+
+def build_topology(cfg: DictConfig) -> Topology | None:
+    """``None`` for the colocated layout (one process, or ``topology.mode=colocated``)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1 or cfg.topology.mode == "colocated":
+        if world > 1:
+            raise ValueError(f"topology.mode=colocated runs in one process, but WORLD_SIZE={world}")
+        return None
+    targets = cfg.topology.target_ranks
+    if targets == "auto":
+        targets = auto_split(cfg, world)
+    return Topology(world, int(os.environ["RANK"]), int(targets), cfg.train.micro_batch_size, cfg.train.batch_size)
+
+
+def auto_split(cfg: DictConfig, world: int) -> int:
+    """Target ranks from the FLOPs of both sides, counted on meta-device models."""
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
+    layer_ids = target_layer_ids(cfg, config.get_text_config().num_hidden_layers)
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.target.trust_remote_code)
+        drafter = DFlashDrafter(drafter_config(config, cfg, layer_ids, 0))
+    target_params = sum(p.numel() for p in target.parameters())
+    head_params = target.get_output_embeddings().weight.numel()
+    drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
+    split = auto_target_ranks(world, target_params, drafter_params, cfg.train.num_anchors, cfg.train.max_len)
+    log.info("topology.target_ranks=auto: %d target and %d drafter ranks", split, world - split)
+    return split
+
+
+def target_layer_ids(cfg: DictConfig, num_target_layers: int) -> list[int]:
+    ids = cfg.drafter.target_layer_ids or default_target_layer_ids(num_target_layers, cfg.drafter.num_context_features)
+    return list(ids)
 
 
 def drafter_config(target_config, cfg: DictConfig, layer_ids: list[int], mask_token_id: int) -> DrafterConfig:
     """The drafter takes every shape but its depth from the target."""
-    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    tc = target_config.get_text_config()
     rope = getattr(tc, "rope_parameters", None) or {}
     return DrafterConfig(
         hidden_size=tc.hidden_size,
@@ -59,8 +111,85 @@ def drafter_config(target_config, cfg: DictConfig, layer_ids: list[int], mask_to
     )
 
 
+@dataclass
+class TargetSide:
+    """What a target rank holds: the frozen target and the data it turns into bundles."""
+
+    target: Target
+    tokenizer: PreTrainedTokenizerBase
+    dataset: Dataset
+    schedule: Schedule
+    anchors: AnchorSpec
+    buckets: list[int]
+    pad_id: int
+    topk: int
+    device: torch.device
+
+    def produce(self, m: int) -> tuple[MicroBatch, PrefillOutput]:
+        """Global micro-batch ``m``: collate (anchors drawn on the host), then prefill."""
+        epoch, indices = self.schedule.micro_batch(m)
+        batch = collate(self.dataset, epoch, indices, self.buckets, self.pad_id, self.anchors)
+        prefill = self.target.prefill(batch.input_ids.to(self.device), batch.attention_mask.to(self.device), self.topk)
+        return batch, prefill
+
+
+def build_target_side(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> TargetSide:
+    t = cfg.train
+    model, tokenizer = load_target(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
+    layer_ids = target_layer_ids(cfg, model.config.get_text_config().num_hidden_layers)
+    dataset = load_dataset(cfg.data.path, tokenizer, t.max_len, cfg.data.min_loss_tokens, cfg.data.strict, cfg.data.max_samples)
+    log.info("%d conversations, %d skipped %s", len(dataset), sum(dataset.skipped.values()), dict(dataset.skipped))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return TargetSide(
+        target=Target(model, layer_ids),
+        tokenizer=tokenizer,
+        dataset=dataset,
+        schedule=Schedule(len(dataset), t.batch_size, t.micro_batch_size, t.seed),
+        anchors=AnchorSpec(t.num_anchors, cfg.drafter.block_size, t.seed),
+        buckets=sorted(t.buckets or [t.max_len]),
+        pad_id=pad_id,
+        topk=cfg.loss.kl_topk,
+        device=device,
+    )
+
+
+def total_steps(cfg: DictConfig, num_samples: int) -> int:
+    schedule = Schedule(num_samples, cfg.train.batch_size, cfg.train.micro_batch_size, cfg.train.seed)
+    return cfg.train.max_steps or cfg.train.epochs * schedule.steps_per_epoch
+
+
+def build_trainer(
+    cfg: DictConfig, target_config, head: TargetHead, mask_token_id: int, steps: int, device: torch.device, dtype: torch.dtype
+) -> DrafterTrainer:
+    """The drafter on the target's shapes (fp32 master weights, bf16 autocast on GPU)
+    with AdamW and a cosine schedule."""
+    t = cfg.train
+    layer_ids = target_layer_ids(cfg, target_config.get_text_config().num_hidden_layers)
+    dcfg = drafter_config(target_config, cfg, layer_ids, mask_token_id)
+    torch.manual_seed(t.seed)
+    drafter = DFlashDrafter(dcfg)
+    drafter.reset_parameters(cfg.drafter.init_std)
+    drafter.to(device)
+    log.info(
+        "drafter: %d layers at hidden %d, %.1fM trainable params, features from target layers %s, mask id %d",
+        dcfg.num_layers, dcfg.hidden_size, sum(p.numel() for p in drafter.parameters()) / 1e6, layer_ids, mask_token_id,
+    )
+    optimizer = build_optimizer(drafter, t.lr, t.weight_decay, tuple(t.betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(steps, t.warmup_ratio, t.min_lr_ratio))
+    objective = ObjectiveConfig(
+        block_size=dcfg.block_size,
+        mask_token_id=mask_token_id,
+        gamma=cfg.loss.gamma or default_gamma(dcfg.block_size),
+        ce_weight=cfg.loss.ce_weight,
+        kl_weight=cfg.loss.kl_weight,
+        chunk_size=cfg.loss.chunk_size,
+    )
+    autocast = dtype if device.type == "cuda" else None
+    return DrafterTrainer(drafter, head, objective, optimizer, scheduler, t.grad_clip, autocast)
+
+
 class StopRequested:
-    """SIGTERM flips a flag; the loop checkpoints at the next step boundary and exits."""
+    """SIGTERM flips a flag; training checkpoints at the next step boundary and exits."""
 
     def __init__(self):
         self.requested = False
@@ -74,116 +203,219 @@ class StopRequested:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def train(cfg: DictConfig) -> dict:
-    device, dtype = pick_device()
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    torch.manual_seed(cfg.train.seed)
-
-    # Target: frozen, capturing only the chosen layers.
-    target_model, tokenizer = load_target(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
-    num_target_layers = target_model.config.get_text_config().num_hidden_layers
-    layer_ids = list(cfg.drafter.target_layer_ids or default_target_layer_ids(num_target_layers, cfg.drafter.num_context_features))
-    target = Target(target_model, layer_ids)
-    head = target.head()
-    mask_token_id = resolve_mask_token_id(tokenizer, head.vocab_size, cfg.target.mask_token_id)
-
-    # Drafter: fp32 master weights; bf16 autocast on GPU.
-    dcfg = drafter_config(target_model.config, cfg, layer_ids, mask_token_id)
-    drafter = DFlashDrafter(dcfg)
-    drafter.reset_parameters(cfg.drafter.init_std)
-    drafter.to(device)
-    log.info(
-        "target %s: %d layers, features from %s; drafter %d layers, %.1fM trainable params, mask id %d",
-        cfg.target.path, num_target_layers, layer_ids, dcfg.num_layers,
-        sum(p.numel() for p in drafter.parameters()) / 1e6, mask_token_id,
-    )
-
-    # Data and the deterministic schedule of micro-batches.
-    t = cfg.train
-    dataset = load_dataset(cfg.data.path, tokenizer, t.max_len, cfg.data.min_loss_tokens, cfg.data.strict, cfg.data.max_samples)
-    schedule = Schedule(len(dataset), t.batch_size, t.micro_batch_size, t.seed)
-    total_steps = t.max_steps or t.epochs * schedule.steps_per_epoch
-    buckets = list(t.buckets or [t.max_len])
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    log.info(
-        "%d conversations (%d skipped), %d steps of %d sequences (%d micro-batches of %d)",
-        len(dataset), sum(dataset.skipped.values()), total_steps, t.batch_size, schedule.micro_per_step, t.micro_batch_size,
-    )
-
-    optimizer = build_optimizer(drafter, t.lr, t.weight_decay, tuple(t.betas))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(total_steps, t.warmup_ratio, t.min_lr_ratio))
-    objective = ObjectiveConfig(
-        num_anchors=t.num_anchors,
-        block_size=dcfg.block_size,
-        mask_token_id=mask_token_id,
-        gamma=cfg.loss.gamma or default_gamma(dcfg.block_size),
-        seed=t.seed,
-        ce_weight=cfg.loss.ce_weight,
-        kl_weight=cfg.loss.kl_weight,
-        chunk_size=cfg.loss.chunk_size,
-    )
-    trainer = DrafterTrainer(
-        drafter, head, objective, optimizer, scheduler, t.grad_clip, dtype if device.type == "cuda" else None
-    )
-
-    ckpt_root = output_dir / "checkpoints"
-    start_step = 0
-    resume_from = resolve_resume(str(cfg.resume), ckpt_root)
-    if resume_from is not None:
-        start_step, _ = load_checkpoint(resume_from, drafter, optimizer, scheduler)
-        log.info("resumed from %s at step %d", resume_from, start_step)
-
-    metrics = MetricsLogger(output_dir, OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True))
+def run_steps(
+    cfg: DictConfig,
+    trainer: DrafterTrainer,
+    feed: Feed,
+    start: int,
+    steps: int,
+    metrics: MetricsLogger,
+    group=None,
+    pipeline: Callable[[], dict] | None = None,
+) -> int:
+    """The optimizer-step loop shared by the colocated and drafter roles. Returns the
+    last completed step."""
+    t, ckpt_root = cfg.train, Path(cfg.output_dir) / "checkpoints"
     stop = StopRequested()
-    nonfinite_in_a_row, skipped_steps, last = 0, 0, {}
-    started = time.perf_counter()
+    in_a_row, skipped = 0, 0
+    step = start
     try:
-        step = start_step
-        while step < total_steps and not stop.requested:
-            for m in range(step * schedule.micro_per_step, (step + 1) * schedule.micro_per_step):
-                epoch, indices = schedule.micro_batch(m)
-                batch = collate(dataset, epoch, indices, buckets, pad_id)
-                prefill = target.prefill(batch.input_ids.to(device), batch.attention_mask.to(device), cfg.loss.kl_topk)
+        while step < steps:
+            for batch, prefill in feed(step):
                 trainer.micro_step(batch, prefill)
-            result = trainer.finish()
+            result = trainer.finish(group)
             step += 1
+            extra = pipeline() if pipeline else {}
             if result is None:
-                skipped_steps += 1
-                nonfinite_in_a_row += 1
-                if nonfinite_in_a_row >= t.max_nonfinite:
-                    raise RuntimeError(f"{nonfinite_in_a_row} steps in a row had no valid anchor or a non-finite loss")
-                continue
-            nonfinite_in_a_row = 0
-            if step % t.log_every == 0 or step == total_steps:
-                last = metrics.log_step(step, total_steps, result, {"skipped_steps": skipped_steps, "epoch": epoch})
+                skipped += 1
+                in_a_row += 1
+                log.warning("step %d skipped: no valid anchor or a non-finite loss (%d in a row)", step, in_a_row)
+                if in_a_row >= t.max_nonfinite:
+                    raise RuntimeError(f"{in_a_row} steps in a row had no valid anchor or a non-finite loss")
             else:
-                metrics.reset_clock()
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                save_checkpoint(ckpt_root, step, drafter, optimizer, scheduler, cfg.checkpoint.keep)
-        save_checkpoint(ckpt_root, step, drafter, optimizer, scheduler, cfg.checkpoint.keep)
+                in_a_row = 0
+                if step % t.log_every == 0 or step == steps:
+                    metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stop.requested:
+                save_checkpoint(ckpt_root, step, trainer.drafter, trainer.optimizer, trainer.scheduler, cfg.checkpoint.keep, group)
+            if stop.requested:
+                break
     finally:
         stop.restore()
-    train_s = time.perf_counter() - started
-    summary = {"steps": step, "train_s": train_s, "skipped_steps": skipped_steps, **{k: last[k] for k in ("loss", "tau_sim") if k in last}}
-    if stop.requested and step < total_steps:
-        log.warning("stopped by SIGTERM at step %d; resume with resume=auto", step)
-        metrics.close(summary)
-        return summary
+    return step
 
-    export_dir = save_export(drafter, output_dir / "export", "bfloat16" if device.type == "cuda" else "float32")
-    log.info("exported the drafter to %s (%.0f s of training)", export_dir, train_s)
-    if cfg.eval.enabled and cfg.data.eval_path:
-        from dflash.eval import evaluate_datasets
 
-        report = evaluate_datasets(
-            target_model, tokenizer, export_dir, head, {"heldout": cfg.data.eval_path},
-            cfg.eval.max_prompts, cfg.eval.max_new_tokens, output_dir / "eval.json",
-        )
-        summary.update({"eval_tau": report["tau"], "lossless": report["lossless"]})
+def resume_step(cfg: DictConfig, trainer: DrafterTrainer, group=None) -> int:
+    path = resolve_resume(str(cfg.resume), Path(cfg.output_dir) / "checkpoints")
+    if path is None:
+        return 0
+    step = load_checkpoint(path, trainer.drafter, trainer.optimizer, trainer.scheduler, group)
+    log.info("resumed from %s at step %d", path, step)
+    return step
+
+
+def finish_run(cfg: DictConfig, trainer: DrafterTrainer, device: torch.device) -> Path:
+    export_dir = save_export(trainer.drafter, Path(cfg.output_dir) / "export", "bfloat16" if device.type == "cuda" else "float32")
+    log.info("exported the drafter to %s", export_dir)
+    return export_dir
+
+
+def evaluate(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict:
+    """Speculative decoding with the exported drafter on held-out prompts."""
+    from dflash.eval import evaluate_datasets
+
+    return evaluate_datasets(
+        side.target.model, side.tokenizer, export_dir, side.target.head(), {"heldout": cfg.data.eval_path},
+        cfg.eval.max_prompts, cfg.eval.max_new_tokens, Path(cfg.output_dir) / "eval.json", target_name=cfg.target.path,
+    )
+
+
+def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> dict:
+    side = build_target_side(cfg, device, dtype)
+    head = side.target.head()
+    mask_id = resolve_mask_token_id(side.tokenizer, head.vocab_size, cfg.target.mask_token_id)
+    steps = total_steps(cfg, len(side.dataset))
+    trainer = build_trainer(cfg, side.target.model.config, head, mask_id, steps, device, dtype)
+    start = resume_step(cfg, trainer)
+    per_step = side.schedule.micro_per_step
+
+    def feed(step: int):
+        return (side.produce(m) for m in range(step * per_step, (step + 1) * per_step))
+
+    metrics = MetricsLogger(Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True))
+    started = time.perf_counter()
+    step = run_steps(cfg, trainer, feed, start, steps, metrics)
+    summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1)}
+    if step == steps:
+        export_dir = finish_run(cfg, trainer, device)
+        if cfg.eval.enabled and cfg.data.eval_path:
+            report = evaluate(cfg, side, export_dir)
+            summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     metrics.close(summary)
     return summary
+
+
+def run_target_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype) -> dict:
+    """Produce this rank's micro-batches in schedule order and send each to its drafter."""
+    side = build_target_side(cfg, device, dtype)
+    steps = total_steps(cfg, len(side.dataset))
+    announced = [len(side.dataset), steps]
+    dist.broadcast_object_list(announced, src=0)
+    start = [0]
+    dist.broadcast_object_list(start, src=topo.metrics_rank)
+    sender = BundleSender(groups.for_target(topo.rank), device, cfg.topology.max_in_flight)
+    first, last = start[0] * topo.micro_per_step, steps * topo.micro_per_step
+    for m in topo.produced_by(topo.rank, first, last):
+        batch, prefill = side.produce(m)
+        sender.send(topo.consumer(m), m, batch, prefill)
+    for drafter in topo.drafter_ranks:
+        if topo.end_of_data_sender(drafter, last) == topo.rank:
+            sender.send_flag(drafter, last, FLAG_END)
+    sender.drain()
+    dist.barrier()  # the export is written
+    summary = {"role": "target", "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
+    if topo.rank == 0 and cfg.eval.enabled and cfg.data.eval_path:
+        report = evaluate(cfg, side, Path(cfg.output_dir) / "export")
+        summary.update(eval_tau=report["tau"], lossless=report["lossless"])
+    return summary
+
+
+def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype) -> dict:
+    """Receive bundles in schedule order, train, reduce over the drafter group."""
+    target_config = AutoConfig.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
+    head = load_head(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
+    mask_id = resolve_mask_token_id(tokenizer, head.vocab_size, cfg.target.mask_token_id)
+    announced = [0, 0]
+    dist.broadcast_object_list(announced, src=0)
+    _, steps = announced
+    trainer = build_trainer(cfg, target_config, head, mask_id, steps, device, dtype)
+    start = [resume_step(cfg, trainer, groups.drafters)]
+    dist.broadcast_object_list(start, src=topo.metrics_rank)
+    start = start[0]
+    expected = Expected(
+        max_batch=cfg.train.micro_batch_size,
+        num_anchors=cfg.train.num_anchors,
+        feature_dim=trainer.drafter.fc.in_features,
+        feature_dtype=dtype,
+        topk=cfg.loss.kl_topk,
+        buckets=sorted(cfg.train.buckets or [cfg.train.max_len]),
+    )
+    receiver = BundleReceiver(groups.for_drafter(topo.rank), device, expected)
+    per_step = topo.micro_per_step
+
+    def feed(step: int):
+        for m in topo.consumed_by(topo.rank, step * per_step, (step + 1) * per_step):
+            _, batch, prefill = receiver.receive(topo.producer(m), m)
+            yield batch, prefill
+
+    last_totals = torch.zeros(3, dtype=torch.float64)
+
+    def pipeline() -> dict:
+        """Per-step pipeline figures: drafter time blocked on receives (mean over
+        drafters), target time blocked on sends (mean over targets), bytes moved."""
+        target_wait = torch.zeros(topo.num_targets, dtype=torch.float64)
+        for peer, us in receiver.target_send_wait_us.items():
+            target_wait[peer] = us / 1e6
+        totals = torch.tensor([receiver.wait_s, receiver.bytes_received, 0.0], dtype=torch.float64)
+        pair = torch.cat([totals, target_wait]).to(device)
+        dist.all_reduce(pair[:3], group=groups.drafters)
+        dist.all_reduce(pair[3:], op=dist.ReduceOp.MAX, group=groups.drafters)
+        pair = pair.cpu()
+        pair[2] = pair[3:].sum()
+        delta = pair[:3] - last_totals
+        last_totals.copy_(pair[:3])
+        return {
+            "drafter_wait_s": float(delta[0]) / topo.num_drafters,
+            "target_wait_s": float(delta[2]) / topo.num_targets,
+            "bytes_per_step": int(delta[1]),
+        }
+
+    is_metrics = topo.rank == topo.metrics_rank
+    metrics = MetricsLogger(
+        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), enabled=is_metrics
+    )
+    started = time.perf_counter()
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, groups.drafters, pipeline)
+    if step == steps:
+        header, _, _ = receiver.receive(topo.end_of_data_sender(topo.rank, steps * per_step), steps * per_step)
+        if not header.flags & FLAG_END:
+            raise RuntimeError(f"rank {topo.rank}: expected end of data after step {steps}, got micro-batch {header.micro_batch}")
+    summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1)}
+    if is_metrics and step == steps:
+        finish_run(cfg, trainer, device)
+    dist.barrier()
+    metrics.close(summary)
+    return summary
+
+
+def setup_logging(topo: Topology | None) -> None:
+    """Hydra configures logging on rank 0; other ranks log warnings, and the
+    metrics rank its progress lines too, tagged with the rank."""
+    if topo is None or topo.rank == 0:
+        return
+    level = logging.INFO if topo.rank == topo.metrics_rank else logging.WARNING
+    logging.basicConfig(level=level, format=f"[rank {topo.rank}] %(asctime)s %(name)s: %(message)s", force=True)
+
+
+def train(cfg: DictConfig) -> dict:
+    topo = build_topology(cfg)
+    setup_logging(topo)
+    device, dtype = pick_device()
+    output_dir = Path(cfg.output_dir)
+    if topo is None or topo.rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if topo is None:
+        return run_colocated(cfg, device, dtype)
+    groups = init_groups(topo, device, cfg.topology.timeout_s)
+    try:
+        if topo.is_target:
+            return run_target_rank(cfg, topo, groups, device, dtype)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        return run_drafter_rank(cfg, topo, groups, device, dtype)
+    finally:
+        dist.destroy_process_group()
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -192,4 +424,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if int(os.environ.get("RANK", 0)) > 0:
+        sys.argv += ["hydra/job_logging=none", "hydra/hydra_logging=none"]
     main()

@@ -2,10 +2,20 @@
 
 import torch
 
-from dflash.anchors import batch_anchors, decay_weights, make_blocks, sample_anchors, sample_generator
+from dflash.anchors import decay_weights, make_blocks, sample_anchors, sample_generator
+from dflash.data import AnchorSpec, Dataset, Sample, collate
 
 B = 4
 MASK = 99
+
+
+def batch_anchors(loss_mask, lengths, sample_index, epoch, seed, num_anchors, block_size):
+    """Anchors exactly as the data pipeline draws them, through ``collate``."""
+    samples = [Sample([1] * int(n), loss_mask[r, : int(n)].tolist(), "t") for r, n in enumerate(lengths)]
+    index = {int(i): s for i, s in zip(sample_index, samples)}
+    dataset = Dataset([index.get(i, samples[0]) for i in range(max(index) + 1)])
+    mb = collate(dataset, epoch, sample_index.numpy(), [loss_mask.shape[1]], 0, AnchorSpec(num_anchors, block_size, seed))
+    return mb.anchors, mb.keep
 
 
 def one_batch(lengths, seq_len=24, seed=0):

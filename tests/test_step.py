@@ -5,6 +5,7 @@ import copy
 import torch
 
 from conftest import tiny_drafter, tiny_head
+from dflash.anchors import sample_anchors, sample_generator
 from dflash.data import MicroBatch
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
 from dflash.target import PrefillOutput
@@ -17,18 +18,19 @@ def batch(rows, lengths, seq_len=32, seed=0):
     n = len(rows)
     ids = torch.randint(0, 90, (n, seq_len), generator=g)
     loss_mask = torch.zeros(n, seq_len, dtype=torch.long)
-    attn = torch.zeros(n, seq_len, dtype=torch.long)
     for r, length in enumerate(lengths):
         loss_mask[r, 4:length] = 1
-        attn[r, :length] = 1
     feats = torch.randn(n, seq_len, 3 * 64, generator=g)
-    mb = MicroBatch(ids, loss_mask, attn, torch.tensor(lengths), torch.tensor(rows), epoch=0)
+    drawn = [sample_anchors(loss_mask[r, :length], 6, BS, sample_generator(0, 0, i)) for r, (i, length) in enumerate(zip(rows, lengths))]
+    anchors = torch.stack([a for a, _ in drawn])
+    keep = torch.stack([k for _, k in drawn])
+    mb = MicroBatch(ids, loss_mask, torch.tensor(lengths), anchors, keep, epoch=0)
     return mb, PrefillOutput(feats)
 
 
 def split(mb: MicroBatch, pf: PrefillOutput, sl: slice):
     return (
-        MicroBatch(mb.input_ids[sl], mb.loss_mask[sl], mb.attention_mask[sl], mb.lengths[sl], mb.sample_index[sl], mb.epoch),
+        MicroBatch(mb.input_ids[sl], mb.loss_mask[sl], mb.lengths[sl], mb.anchors[sl], mb.keep[sl], mb.epoch),
         PrefillOutput(pf.features[sl]),
     )
 
@@ -37,7 +39,7 @@ def make_trainer(drafter, sgd: bool = False):
     """SGD makes the update the normalised gradient itself; AdamW's first step would hide its scale."""
     opt = torch.optim.SGD(drafter.parameters(), lr=1.0) if sgd else build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
-    obj = ObjectiveConfig(num_anchors=6, block_size=BS, mask_token_id=95, gamma=7.0, seed=0)
+    obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0)
     return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1e9, autocast_dtype=None)
 
 
@@ -74,7 +76,7 @@ def test_step_without_valid_anchor_is_skipped():
     t = make_trainer(tiny_drafter(block_size=BS))
     before = [p.detach().clone() for p in t.drafter.parameters()]
     mb, pf = batch(rows=[0], lengths=[32])
-    mb.loss_mask.zero_()
+    mb.keep.zero_()
     t.micro_step(mb, pf)
     assert t.finish() is None
     assert all(torch.equal(a, b) for a, b in zip(before, t.drafter.parameters()))

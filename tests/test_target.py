@@ -58,3 +58,13 @@ def test_mask_token_must_be_inside_the_embedding():
         resolve_mask_token_id(_Tok({}), 151669, 151669)
     with pytest.raises(ValueError, match="no mask token"):
         resolve_mask_token_id(_Tok({}), 10, None)
+
+
+def test_load_head_reads_only_embedding_and_lm_head(tmp_path):
+    from dflash.target import load_head
+
+    model = tiny_target()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    head = load_head(str(tmp_path), torch.device("cpu"), torch.float32)
+    assert torch.equal(head.embed_weight, model.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head_weight, model.get_output_embeddings().weight)

@@ -1,0 +1,428 @@
+"""Real speculative decoding with the HF target and an exported drafter.
+
+``python -m dflash.eval --drafter outputs/demo/export [--data name=file.jsonl ...]``
+
+Batch size 1, the way a drafter is served: the target prefills the prompt into
+a KV cache; then each cycle the drafter fills the block ``[last, MASK x (B-1)]``
+in one forward, the target verifies it in one forward, the longest accepted
+prefix plus the target's own next token (the bonus) is kept, and the cache is
+cropped back. Greedy decoding must reproduce plain greedy decoding token for
+token (``lossless``); the headline metric is ``tau``, the mean acceptance length
+(accepted drafts + 1 per cycle), averaged per response and then over responses
+as z-lab reports it.
+
+This path shares nothing with training but the model definitions: context
+features come from HF's ``output_hidden_states`` (layer id ``i`` is
+``hidden_states[i + 1]``), not from training's hooks, so a layer-id slip on
+either side shows up here as a low tau.
+
+The report written to ``--out`` (default ``<output_dir>/eval.json``, next to the
+export directory)::
+
+    {
+      "target": str, "drafter": str, "block_size": int,
+      "tau": float | null,        # mean of the results' tau at the first temperature
+      "lossless": bool | null,    # every greedy result lossless; null without a greedy run
+      "results": {
+        "<dataset>": {            # "<dataset>@<T>" when several temperatures are given
+          "dataset": str, "temperature": float,
+          "tau": float | null,    # null when no response needed a drafting cycle
+          "histogram": {"1": int, ..., "<B>": int},  # cycles per acceptance length
+          "lossless": bool | null,                   # null at temperature > 0
+          "prompts": int, "new_tokens": int, "cycles": int,
+          "wall_s": float,                           # speculative decoding only
+          "baseline_wall_s": float | null            # plain greedy decoding, T = 0 only
+        }
+      }
+    }
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import time
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedTokenizerBase
+
+from dflash.data import ROLE_ALIASES
+from dflash.export import load_export
+from dflash.model import DFlashDrafter, TargetHead
+from dflash.target import load_target
+
+log = logging.getLogger("dflash.eval")
+
+DEMO_HELDOUT = Path(__file__).parent / "assets" / "demo_data" / "heldout.jsonl"
+
+
+# ---------------------------------------------------------------------------
+# Decoding on token ids
+# ---------------------------------------------------------------------------
+
+
+def context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """The drafter's context: the chosen layers' outputs side by side, ``[b, S, n*H]``."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def with_cache(model: nn.Module, cache: DynamicCache, **kwargs):
+    """Forward with a KV cache under the keyword this transformers version expects
+    (``cache`` in 5.x, where ``past_key_values`` is deprecated; only the latter in 4.57)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(**kwargs, **{name: cache}, use_cache=True)
+
+
+def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``logits`` ``[n, V]``: argmax at temperature 0."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def accept(
+    drafts: torch.Tensor,
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    temperature: float,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    """How many of the ``B - 1`` drafts the target keeps, and the token it adds after them.
+
+    ``target_logits[i]`` is the target's prediction after ``[last, d_1..d_i]``.
+    Greedy keeps the drafts that equal the target's argmax. Sampling is standard
+    speculative sampling (accept ``d`` with probability ``min(1, p/q)``, resample a
+    rejection from ``max(0, p - q)``), whose output is distributed exactly as
+    sampling the target alone.
+    """
+    if temperature == 0:
+        target = target_logits.argmax(-1)
+        n = int((drafts == target[:-1]).cumprod(0).sum())
+        return n, int(target[n])
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    rows = torch.arange(len(drafts), device=drafts.device)
+    ratio = p[rows, drafts] / q[rows, drafts]
+    u = torch.rand(len(drafts), device=drafts.device, generator=generator)
+    n = int((u < ratio).cumprod(0).sum())
+    if n == len(drafts):
+        dist = p[n]
+    else:
+        dist = (p[n] - q[n]).clamp_min(0)
+        if dist.sum() <= 0:  # p == q up to rounding: the rejection itself was rounding noise
+            dist = p[n]
+    return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> list[int]:
+    """Cut after the first stop token and at the budget; a cycle may overshoot both."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            tokens = tokens[: i + 1]
+            break
+    return tokens[:max_new_tokens]
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target_model: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_ids: Collection[int] = (),
+    generator: torch.Generator | None = None,
+    block_size: int | None = None,
+) -> tuple[list[int], list[int]]:
+    """Generate from ``prompt_ids`` ``[1, S]``; returns (new tokens, acceptance length per cycle).
+
+    Invariant between cycles: the target cache and the context features both
+    cover positions ``0..p-1``; the newest token sits at ``p`` and is in neither.
+    The drafter is rerun over the whole context each cycle (no drafter cache),
+    which is slower but leaves no cache bookkeeping to get wrong.
+    """
+    cfg = drafter.config
+    block_size = block_size or cfg.block_size
+    device = prompt_ids.device
+    cache = DynamicCache(config=target_model.config)
+    out = with_cache(target_model, cache, input_ids=prompt_ids, output_hidden_states=True, logits_to_keep=1)
+    features = context_features(out.hidden_states, cfg.target_layer_ids)
+    new = sample(out.logits[0, -1:], temperature, generator).tolist()
+    tokens, lengths = list(new), []
+    while len(tokens) < max_new_tokens and not any(t in eos_ids for t in new):
+        p = features.shape[1]
+        block = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = tokens[-1]
+        hidden = drafter(
+            features,
+            head.embed(block),
+            torch.arange(p, device=device)[None],
+            torch.arange(p, p + block_size, device=device)[None],
+        )
+        draft_logits = head.logits(hidden[0, 1:]).float()
+        drafts = sample(draft_logits, temperature, generator)
+        block[0, 1:] = drafts
+        out = with_cache(target_model, cache, input_ids=block, output_hidden_states=True)
+        n, bonus = accept(drafts, draft_logits, out.logits[0].float(), temperature, generator)
+        if n + 1 < block_size:  # negative crop = drop that many; 4.57 and 5.x agree on this spelling
+            cache.crop(-(block_size - n - 1))
+        features = torch.cat([features, context_features(out.hidden_states, cfg.target_layer_ids)[:, : n + 1]], dim=1)
+        new = drafts[:n].tolist() + [bonus]
+        tokens += new
+        lengths.append(n + 1)
+    return truncate(tokens, max_new_tokens, eos_ids), lengths
+
+
+@torch.inference_mode()
+def greedy_generate(
+    target_model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, eos_ids: Collection[int] = ()
+) -> list[int]:
+    """Plain one-token-at-a-time greedy decoding: the reference ``lossless`` is judged against."""
+    cache = DynamicCache(config=target_model.config)
+    logits = with_cache(target_model, cache, input_ids=prompt_ids, logits_to_keep=1).logits
+    tokens: list[int] = []
+    while True:
+        tokens.append(int(logits[0, -1].argmax()))
+        if len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
+            return tokens
+        step = torch.tensor([[tokens[-1]]], device=prompt_ids.device)
+        logits = with_cache(target_model, cache, input_ids=step).logits
+
+
+# ---------------------------------------------------------------------------
+# Prompts, metrics, reports
+# ---------------------------------------------------------------------------
+
+
+def resolve_prompts_path(path: str) -> Path:
+    """A JSONL file; the shipped held-out demo prompts are addressed as ``demo_heldout``."""
+    return DEMO_HELDOUT if path == "demo_heldout" else Path(path).expanduser()
+
+
+def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
+    """The turns before the first assistant turn of each conversation.
+
+    Lines without any assistant turn are prompts too, so benchmark prompt sets
+    need no placeholder replies.
+    """
+    prompts = []
+    with open(resolve_prompts_path(path), encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            messages = []
+            for turn in record.get("conversations", record.get("messages", [])):
+                role = ROLE_ALIASES.get(str(turn.get("role", turn.get("from", ""))).lower())
+                if role == "assistant":
+                    break
+                messages.append({"role": role, "content": turn.get("content", turn.get("value"))})
+            if messages:
+                prompts.append(messages)
+            if len(prompts) >= max_prompts:
+                break
+    if not prompts:
+        raise ValueError(f"no prompts in {path}")
+    return prompts
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
+    """Chat-templated prompt ids ``[1, S]``, ending in the assistant header.
+
+    Rendered to text first: transformers 5 returns a dict from a tokenizing
+    ``apply_chat_template``, and the template already holds any BOS.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+
+
+def stop_ids(tokenizer: PreTrainedTokenizerBase, target_model: nn.Module) -> set[int]:
+    """Tokens that end a response: tokenizer eos, ``<|im_end|>`` and the generation config's eos."""
+    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    generation_eos = getattr(getattr(target_model, "generation_config", None), "eos_token_id", None)
+    ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
+
+
+def check_compatible(target_model: nn.Module, drafter: DFlashDrafter) -> None:
+    """Fail with a message instead of a shape error deep in a matmul."""
+    tc = target_model.config.get_text_config()
+    cfg = drafter.config
+    if cfg.hidden_size != tc.hidden_size or not 0 <= cfg.mask_token_id < tc.vocab_size:
+        raise ValueError(
+            f"drafter (hidden {cfg.hidden_size}, mask id {cfg.mask_token_id}) does not fit the target "
+            f"(hidden {tc.hidden_size}, vocab {tc.vocab_size})"
+        )
+    if not all(0 <= i < tc.num_hidden_layers - 1 for i in cfg.target_layer_ids):
+        # HF's hidden_states[L] is taken after the final norm, unlike the other layers.
+        raise ValueError(
+            f"target_layer_ids {cfg.target_layer_ids} must lie in 0..{tc.num_hidden_layers - 2} "
+            "for this evaluation"
+        )
+
+
+def tau(acceptance: list[list[int]]) -> float | None:
+    """Mean over responses of each response's mean acceptance length (z-lab's convention)."""
+    per_response = [sum(a) / len(a) for a in acceptance if a]
+    return sum(per_response) / len(per_response) if per_response else None
+
+
+def evaluate(
+    target_model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    prompts: list[list[dict[str, str]]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    block_size: int | None = None,
+) -> dict:
+    """Speculative decoding over ``prompts``; at temperature 0 also the lossless check.
+
+    Each prompt gets its own generator seeded ``seed + index``, so a sampled
+    response does not depend on which prompts ran before it.
+    """
+    check_compatible(target_model, drafter)
+    block_size = block_size or drafter.config.block_size
+    device = head.embed_weight.device
+    eos_ids = stop_ids(tokenizer, target_model)
+    encoded = [encode_prompt(tokenizer, m).to(device) for m in prompts]
+
+    started = time.perf_counter()
+    outputs, acceptance = [], []
+    for i, ids in enumerate(encoded):
+        generator = torch.Generator(device).manual_seed(seed + i)
+        tokens, lengths = speculative_generate(
+            target_model, drafter, head, ids, max_new_tokens, temperature, eos_ids, generator, block_size
+        )
+        outputs.append(tokens)
+        acceptance.append(lengths)
+    wall_s = time.perf_counter() - started
+
+    lossless = baseline_wall_s = None
+    if temperature == 0:
+        started = time.perf_counter()
+        baseline = [greedy_generate(target_model, ids, max_new_tokens, eos_ids) for ids in encoded]
+        baseline_wall_s = time.perf_counter() - started
+        lossless = outputs == baseline
+
+    cycles = [n for a in acceptance for n in a]
+    return {
+        "temperature": temperature,
+        "tau": tau(acceptance),
+        "histogram": {str(k): cycles.count(k) for k in range(1, block_size + 1)},
+        "lossless": lossless,
+        "prompts": len(prompts),
+        "new_tokens": sum(map(len, outputs)),
+        "cycles": len(cycles),
+        "wall_s": wall_s,
+        "baseline_wall_s": baseline_wall_s,
+    }
+
+
+def evaluate_datasets(
+    target_model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    drafter_dir: str | Path,
+    head: TargetHead,
+    datasets: dict[str, str],
+    max_prompts: int,
+    max_new_tokens: int,
+    out_path: str | Path,
+    temperatures: Sequence[float] = (0.0,),
+    seed: int = 0,
+    block_size: int | None = None,
+    target_name: str | None = None,
+) -> dict:
+    """Evaluate the export on every dataset and temperature, write the report, return it.
+
+    The drafter is loaded from its export directory, so what is measured is the
+    artefact a serving engine would load, not the in-memory training copy.
+    """
+    drafter = load_export(drafter_dir, head.embed_weight.device, head.embed_weight.dtype)
+    block_size = block_size or drafter.config.block_size
+    results = {}
+    for name, path in datasets.items():
+        prompts = load_prompts(path, max_prompts)
+        for t in temperatures:
+            key = name if len(temperatures) == 1 else f"{name}@{t:g}"
+            r = evaluate(target_model, tokenizer, drafter, head, prompts, max_new_tokens, t, seed, block_size)
+            results[key] = {"dataset": name, **r}
+            log.info("%s: tau %s, lossless %s, %d tokens in %.1f s", key, r["tau"], r["lossless"],
+                     r["new_tokens"], r["wall_s"])
+    first = [r["tau"] for r in results.values() if r["temperature"] == temperatures[0] and r["tau"] is not None]
+    greedy = [r["lossless"] for r in results.values() if r["lossless"] is not None]
+    report = {
+        "target": target_name or str(getattr(target_model.config, "name_or_path", "")),
+        "drafter": str(drafter_dir),
+        "block_size": block_size,
+        "tau": sum(first) / len(first) if first else None,
+        "lossless": all(greedy) if greedy else None,
+        "results": results,
+    }
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def format_table(report: dict) -> str:
+    rows = [f"{'dataset':<24} {'T':>4} {'prompts':>7} {'tokens':>7} {'tau':>6} {'lossless':>8} {'tok/s':>8}"]
+    for key, r in report["results"].items():
+        tau_s = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        lossless = {None: "-", True: "yes", False: "NO"}[r["lossless"]]
+        rate = r["new_tokens"] / r["wall_s"] if r["wall_s"] else 0.0
+        rows.append(
+            f"{key:<24} {r['temperature']:>4g} {r['prompts']:>7} {r['new_tokens']:>7} {tau_s:>6} {lossless:>8} {rate:>8.1f}"
+        )
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m dflash.eval", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="demo", help="local HF model directory, or 'demo'")
+    ap.add_argument("--drafter", required=True, help="export directory (config.json + model.safetensors)")
+    ap.add_argument("--data", nargs="+", default=["demo=demo_heldout"], help="name=path.jsonl entries")
+    ap.add_argument("--max-prompts", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
+    ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--out", default=None, help="report path; default <output_dir>/eval.json next to the export")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
+    target_model, tokenizer = load_target(args.target, device, dtype, args.trust_remote_code)
+    head = TargetHead(target_model.get_input_embeddings().weight, target_model.get_output_embeddings().weight)
+    out = args.out or Path(args.drafter).resolve().parent / "eval.json"
+    report = evaluate_datasets(
+        target_model, tokenizer, args.drafter, head, datasets, args.max_prompts, args.max_new_tokens, out,
+        args.temperature, args.seed, args.block_size, args.target,
+    )
+    print(format_table(report))
+    print(f"lossless: {report['lossless']}  report: {out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Batch bundles over point-to-point: a fixed-size header, then the tensors.
+
+A bundle carries one micro-batch from a target rank to a drafter rank:
+``input_ids``, ``loss_mask``, ``lengths``, the anchors drawn by the data
+pipeline with their keep-mask, the context features ``[b, S, n*H]`` and, for the KL loss, the
+target's top-k logits. The receiver learns the shapes from the header, checks
+them against what it expects (a mismatch is a clear error, never a hang on a
+wrongly sized receive), then receives into buffers of exactly those shapes.
+End of data and abort travel as header flags.
+
+Each (target, drafter) pair has its own process group, created by every rank in
+the same order, so messages of one pair never match those of another. Within a
+bundle each tensor has its own tag (its index), so a receive can only match
+the tensor it was sized for (gloo honours tags; NCCL orders by issue). gloo (CPU)
+sends CPU tensors; NCCL (GPU) sends device tensors; dtypes without an NCCL
+equivalent travel as ``uint8`` views.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dflash.data import MicroBatch
+from dflash.target import PrefillOutput
+
+MAGIC = 0x0DF1A5
+HEADER_LEN = 12
+FLAG_END, FLAG_ABORT = 1, 2
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+class BundleError(RuntimeError):
+    """A header that does not describe the bundle this drafter expects."""
+
+
+@dataclass
+class Header:
+    micro_batch: int
+    flags: int = 0
+    batch: int = 0
+    seq_len: int = 0
+    feature_dim: int = 0
+    topk: int = 0
+    feature_dtype: int = 0
+    epoch: int = 0
+    num_anchors: int = 0
+    send_wait_us: int = 0  # the target's cumulative time blocked on sends, for pipeline metrics
+
+    def tensor(self) -> torch.Tensor:
+        values = [MAGIC, self.micro_batch, self.flags, self.batch, self.seq_len, self.feature_dim, self.topk,
+                  self.feature_dtype, self.epoch, self.num_anchors, self.send_wait_us]
+        return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+
+    @classmethod
+    def parse(cls, t: torch.Tensor) -> "Header":
+        v = t.tolist()
+        if v[0] != MAGIC:
+            raise BundleError(f"bad bundle header (magic {v[0]:#x}): the ranks disagree on the message order")
+        return cls(*v[1:11])
+
+
+def _payload_shapes(h: Header) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    b, s = h.batch, h.seq_len
+    shapes = [
+        ((b,), torch.int64),
+        ((2, b, s), torch.int64),
+        ((2, b, h.num_anchors), torch.int64),
+        ((b, s, h.feature_dim), DTYPES[h.feature_dtype]),
+    ]
+    if h.topk:
+        shapes += [((b, s, h.topk), torch.float32), ((b, s, h.topk), torch.int64)]
+    return shapes
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """NCCL has no bf16 on some builds and gloo none at all: send such tensors as bytes."""
+    return t.contiguous().view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float16) else t.contiguous()
+
+
+def bundle_tensors(batch: MicroBatch, prefill: PrefillOutput, device: torch.device) -> list[torch.Tensor]:
+    tensors = [
+        batch.lengths,
+        torch.stack([batch.input_ids, batch.loss_mask]),
+        torch.stack([batch.anchors, batch.keep.long()]),
+        prefill.features,
+    ]
+    if prefill.topk_values is not None:
+        tensors += [prefill.topk_values.float(), prefill.topk_indices]
+    return [_wire(t.to(device)) for t in tensors]
+
+
+class BundleSender:
+    """Non-blocking sends from one target rank, at most ``max_in_flight`` bundles outstanding."""
+
+    def __init__(self, groups: dict[int, dist.ProcessGroup], device: torch.device, max_in_flight: int = 2):
+        self.groups, self.device, self.max_in_flight = groups, device, max_in_flight
+        self.in_flight: list[tuple[list, list[torch.Tensor]]] = []
+        self.wait_s = 0.0
+        self.bytes_sent = 0
+
+    def _post(self, peer: int, tensors: list[torch.Tensor]) -> None:
+        while len(self.in_flight) >= self.max_in_flight:
+            start = time.perf_counter()
+            works, _ = self.in_flight.pop(0)
+            for w in works:
+                w.wait()
+            self.wait_s += time.perf_counter() - start
+        ops = [dist.P2POp(dist.isend, t, peer, group=self.groups[peer], tag=tag) for tag, t in enumerate(tensors)]
+        self.in_flight.append((dist.batch_isend_irecv(ops), tensors))
+        self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+
+    def send(self, peer: int, m: int, batch: MicroBatch, prefill: PrefillOutput) -> None:
+        f = prefill.features
+        header = Header(
+            micro_batch=m, batch=f.shape[0], seq_len=f.shape[1], feature_dim=f.shape[2],
+            topk=0 if prefill.topk_values is None else prefill.topk_values.shape[-1],
+            feature_dtype=DTYPE_CODES[f.dtype], epoch=batch.epoch, num_anchors=batch.anchors.shape[1],
+            send_wait_us=int(self.wait_s * 1e6),
+        )
+        self._post(peer, [header.tensor().to(self.device), *bundle_tensors(batch, prefill, self.device)])
+
+    def send_flag(self, peer: int, m: int, flags: int) -> None:
+        self._post(peer, [Header(micro_batch=m, flags=flags, send_wait_us=int(self.wait_s * 1e6)).tensor().to(self.device)])
+
+    def drain(self) -> None:
+        for works, _ in self.in_flight:
+            for w in works:
+                w.wait()
+        self.in_flight.clear()
+
+
+@dataclass
+class Expected:
+    """What a drafter accepts: anything else in a header is a configuration mismatch."""
+
+    max_batch: int
+    num_anchors: int
+    feature_dim: int
+    feature_dtype: torch.dtype
+    topk: int
+    buckets: list[int]
+
+
+class BundleReceiver:
+    """Receives bundles on one drafter rank; the next header is posted while a bundle trains."""
+
+    def __init__(self, groups: dict[int, dist.ProcessGroup], device: torch.device, expected: Expected):
+        self.groups, self.device, self.expected = groups, device, expected
+        self._pending: tuple[int, torch.Tensor, list] | None = None
+        self.bytes_received = 0
+        self.wait_s = 0.0
+        self.target_send_wait_us: dict[int, int] = {}
+
+    def post_header(self, peer: int) -> None:
+        buf = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, group=self.groups[peer])])
+        self._pending = (peer, buf, works)
+
+    def _check(self, h: Header, peer: int, m: int) -> None:
+        e = self.expected
+        problems = []
+        if h.micro_batch != m:
+            problems.append(f"micro-batch {h.micro_batch}, expected {m}")
+        if not 1 <= h.batch <= e.max_batch:
+            problems.append(f"batch {h.batch} (train.micro_batch_size={e.max_batch})")
+        if h.seq_len not in e.buckets:
+            problems.append(f"length {h.seq_len} not a bucket of {e.buckets}")
+        if h.num_anchors != e.num_anchors:
+            problems.append(f"{h.num_anchors} anchors, expected train.num_anchors={e.num_anchors}")
+        if h.feature_dim != e.feature_dim:
+            problems.append(f"feature dim {h.feature_dim}, the drafter's fc takes {e.feature_dim}")
+        if DTYPES.get(h.feature_dtype) != e.feature_dtype:
+            problems.append(f"feature dtype code {h.feature_dtype}, expected {e.feature_dtype}")
+        if h.topk != e.topk:
+            problems.append(f"top-k {h.topk}, expected loss.kl_topk={e.topk}")
+        if problems:
+            raise BundleError(f"bundle from rank {peer} does not match this drafter: " + "; ".join(problems))
+
+    def receive(self, peer: int, m: int) -> tuple[Header, MicroBatch | None, PrefillOutput | None]:
+        """The bundle for micro-batch ``m`` from ``peer``; (header, None, None) at end of data."""
+        start = time.perf_counter()
+        if self._pending is None or self._pending[0] != peer:
+            self.post_header(peer)
+        _, buf, works = self._pending
+        self._pending = None
+        for w in works:
+            w.wait()
+        h = Header.parse(buf.cpu())
+        self.target_send_wait_us[peer] = h.send_wait_us
+        if h.flags & FLAG_ABORT:
+            raise BundleError(f"target rank {peer} aborted the run at micro-batch {h.micro_batch}")
+        if h.flags & FLAG_END:
+            self.wait_s += time.perf_counter() - start
+            return h, None, None
+        self._check(h, peer, m)
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in _payload_shapes(h)]
+        wire = [_wire(t) for t in bufs]
+        ops = [dist.P2POp(dist.irecv, t, peer, group=self.groups[peer], tag=tag) for tag, t in enumerate(wire, start=1)]
+        works = dist.batch_isend_irecv(ops)
+        for w in works:
+            w.wait()
+        self.wait_s += time.perf_counter() - start
+        self.bytes_received += sum(t.numel() * t.element_size() for t in wire) + HEADER_LEN * 8
+        lengths, tokens, anchors, features = bufs[:4]
+        batch = MicroBatch(tokens[0], tokens[1], lengths, anchors[0], anchors[1].bool(), h.epoch)
+        prefill = PrefillOutput(features, *bufs[4:6])
+        return h, batch, prefill

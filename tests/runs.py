@@ -1,0 +1,65 @@
+"""Run ``dflash.train`` in-process (colocated) or as a gloo process group, for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+# Small enough for 2 CPU cores, big enough to exercise accumulation and every path.
+TINY = [
+    "wandb.mode=disabled",
+    "eval.enabled=false",
+    "train.max_steps=10",
+    "train.batch_size=4",
+    "train.micro_batch_size=1",
+    "train.num_anchors=8",
+    "train.log_every=1",
+    "drafter.num_layers=1",
+    "drafter.block_size=8",
+    "data.max_samples=64",
+]
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_colocated(output_dir: Path, overrides: list[str]) -> dict:
+    from dflash.train import train
+
+    return train(compose_cfg(TINY + [f"output_dir={output_dir}"] + overrides))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, overrides: list[str]) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    from dflash.train import train
+
+    train(compose_cfg(overrides))
+
+
+def run_disaggregated(output_dir: Path, world: int, targets: int, overrides: list[str]) -> None:
+    """``world`` processes over gloo, ``targets`` of them target ranks; raises if any fails."""
+    args = TINY + [f"output_dir={output_dir}", f"topology.target_ranks={targets}"] + overrides
+    mp.start_processes(_worker, args=(world, free_port(), args), nprocs=world, join=True, start_method="spawn")

@@ -1,0 +1,216 @@
+"""Speculative decoding eval: lossless greedy, accept/bonus/crop bookkeeping, sampling, CLI."""
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from conftest import tiny_drafter, tiny_target
+from dflash.eval import accept, greedy_generate, main, speculative_generate, tau
+from dflash.export import save_export
+from dflash.model import TargetHead
+
+B = 4
+VOCAB = 96
+MAX_NEW = 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small are dispatch-bound: extra threads only add sync cost,
+    and stall badly when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target() -> nn.Module:
+    """A random target whose greedy output varies; at init std 0.02 it repeats one token,
+    which any constant drafter would "predict" perfectly."""
+    model = tiny_target(vocab=VOCAB)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=0.2)
+    return model
+
+
+def head_of(model: nn.Module) -> TargetHead:
+    return TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+
+
+def prompt(seed: int, length: int = 9) -> torch.Tensor:
+    return torch.randint(0, VOCAB - 1, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class ScriptedDrafter(nn.Module):
+    """Proposes ``proposals[position]`` for each block slot, and checks on every call
+    that its context is exactly the target's hidden states of the accepted prefix."""
+
+    def __init__(self, config, proposals: list[int], reference_features: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.proposals = torch.tensor(proposals)
+        self.reference_features = reference_features
+
+    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
+        p = ctx_features.shape[1]
+        assert mask is None and torch.equal(ctx_positions[0], torch.arange(p))
+        assert torch.equal(block_positions[0], torch.arange(p, p + self.config.block_size))
+        torch.testing.assert_close(ctx_features, self.reference_features[:, :p], atol=1e-4, rtol=1e-4)
+        return block_positions[..., None].float()  # the "hidden state" carries the position
+
+
+class ScriptedHead:
+    """Turns a ScriptedDrafter's positions into one-hot logits of its proposals."""
+
+    def __init__(self, proposals: torch.Tensor):
+        self.proposals = proposals
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, 1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(self.proposals[hidden[..., 0].long()], VOCAB).float()
+
+
+def scripted(target, prompt_ids, corrupt: set[int]):
+    """Drafter + head proposing the target's greedy continuation, wrong at ``corrupt`` positions.
+
+    The continuation runs B tokens past MAX_NEW so every proposal has a true value.
+    """
+    sequence = prompt_ids[0].tolist() + greedy_generate(target, prompt_ids, MAX_NEW + B)
+    proposals = [(t + 1) % VOCAB if pos in corrupt else t for pos, t in enumerate(sequence)]
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    features = torch.cat([hs[i + 1] for i in (1, 2, 3)], dim=-1)
+    drafter = ScriptedDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, proposals, features)
+    return drafter, ScriptedHead(drafter.proposals), sequence[prompt_ids.shape[1]:]
+
+
+def reference_acceptance(greedy: list[int], proposals: list[int], prompt_len: int) -> list[int]:
+    """Acceptance lengths by hand: drafts match the greedy tokens, one bonus per cycle."""
+    k, lengths = 1, []
+    while k < MAX_NEW:
+        n = 0
+        while n < B - 1 and proposals[prompt_len + k + n] == greedy[k + n]:
+            n += 1
+        lengths.append(n + 1)
+        k += n + 1
+    return lengths
+
+
+def test_greedy_is_lossless_with_a_random_drafter(target):
+    drafter, head = tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target)
+    acceptance = []
+    for seed in range(3):
+        ids = prompt(seed)
+        tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW, 0.0, {VOCAB + 7})
+        assert tokens == greedy_generate(target, ids, MAX_NEW)
+        assert len(tokens) == MAX_NEW and 0 <= 1 + sum(lengths) - MAX_NEW < B
+        acceptance.append(lengths)
+    assert 1.0 <= tau(acceptance) < 1.5
+
+
+def test_perfect_oracle_accepts_whole_blocks(target):
+    ids = prompt(0)
+    drafter, head, greedy = scripted(target, ids, corrupt=set())
+    tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW)
+    assert tokens == greedy[:MAX_NEW]
+    assert lengths == [B] * -(-(MAX_NEW - 1) // B)
+
+
+def test_acceptance_matches_a_hand_written_loop(target):
+    ids = prompt(1)
+    corrupt = set(random.Random(0).sample(range(ids.shape[1], ids.shape[1] + MAX_NEW + B), 12))
+    drafter, head, greedy = scripted(target, ids, corrupt)
+    tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW)
+    assert tokens == greedy[:MAX_NEW]
+    assert lengths == reference_acceptance(greedy, drafter.proposals.tolist(), ids.shape[1])
+    assert len(set(lengths)) > 2  # the corruptions exercise several acceptance lengths
+
+
+def test_stops_at_eos_and_truncates(target):
+    ids = prompt(2)
+    drafter, head, greedy = scripted(target, ids, corrupt=set())
+    eos = greedy[6]  # mid-block: the cycle that accepts it also accepts tokens after it
+    tokens, _ = speculative_generate(target, drafter, head, ids, MAX_NEW, eos_ids={eos})
+    assert tokens == greedy[: greedy.index(eos) + 1]
+    assert tokens == greedy_generate(target, ids, MAX_NEW, {eos})
+
+
+def test_sampling_is_seeded_and_in_vocab(target):
+    drafter, head, ids = tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target), prompt(3)
+
+    def run(seed):
+        return speculative_generate(target, drafter, head, ids, MAX_NEW, 1.0, (), torch.Generator().manual_seed(seed))
+
+    tokens, lengths = run(0)
+    assert len(tokens) == MAX_NEW and all(0 <= t < VOCAB for t in tokens)
+    assert all(1 <= n <= B for n in lengths)
+    assert run(0) == (tokens, lengths)
+    assert run(1)[0] != tokens
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """The first emitted token (accepted draft or resampled) is distributed as the target's p."""
+    p_logits = torch.tensor([2.0, 0.5, 0.0, -1.0])
+    q_logits = torch.tensor([0.0, 1.5, 0.5, 0.0])
+    g = torch.Generator().manual_seed(0)
+    trials, counts = 8000, Counter()
+    for _ in range(trials):
+        draft = torch.multinomial(q_logits.softmax(-1), 1, generator=g)
+        n, bonus = accept(draft, q_logits[None], torch.stack([p_logits, p_logits]), 1.0, g)
+        counts[int(draft) if n else bonus] += 1
+    freq = torch.tensor([counts[i] / trials for i in range(4)])
+    torch.testing.assert_close(freq, p_logits.softmax(-1), atol=0.02, rtol=0)
+
+
+def save_tiny_target(model: nn.Module, out) -> None:
+    """A word-level tokenizer with a Qwen-style chat template next to the model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
+    vocab = specials + ["\n", "user", "assistant"] + [f"w{i}" for i in range(VOCAB - 8)]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<|unk|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(specials)
+    backend.add_tokens(["\n"])
+    template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<|unk|>", chat_template=template
+    )
+    model.generation_config.eos_token_id = vocab.index("<|im_end|>")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def test_cli_writes_the_report(target, tmp_path):
+    save_tiny_target(target, tmp_path / "target")
+    save_export(tiny_drafter(vocab=VOCAB, block_size=B), tmp_path / "run" / "export", dtype="float32")
+    turns = [[{"role": "user", "content": f"w{i} w{i + 1} w{2 * i}"}, {"role": "assistant", "content": "w3"}] for i in range(4)]
+    lines = [{"conversations": t} for t in turns]
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    main([
+        "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "run" / "export"),
+        "--data", f"toy={tmp_path / 'p.jsonl'}", "--max-prompts", "3", "--max-new-tokens", "12",
+        "--temperature", "0", "1", "--device", "cpu",
+    ])
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["lossless"] is True and report["block_size"] == B
+    greedy, sampled = report["results"]["toy@0"], report["results"]["toy@1"]
+    assert greedy["lossless"] is True and sampled["lossless"] is None
+    assert greedy["prompts"] == 3 and 0 < greedy["new_tokens"] <= 36
+    assert set(greedy["histogram"]) == {"1", "2", "3", "4"}
+    assert sum(greedy["histogram"].values()) == greedy["cycles"]
+    assert report["tau"] == greedy["tau"]
