@@ -78,17 +78,21 @@ class Target:
     def __init__(self, model: nn.Module, layer_ids: list[int]):
         self.model = model.eval().requires_grad_(False)
         layers = decoder_layers(model)
-        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        # The last layer has no capture point in the serving engines (they capture
+        # before layer id+1) and HF applies the final norm to hidden_states[L].
+        bad = [i for i in layer_ids if not 0 <= i < len(layers) - 1]
         if bad:
-            raise ValueError(f"target layer ids {bad} outside 0..{len(layers) - 1}")
+            raise ValueError(f"target layer ids {bad} outside 0..{len(layers) - 2}")
         self.layer_ids = list(layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False
         for i in set(layer_ids):
             layers[i].register_forward_hook(self._hook(i))
 
     def _hook(self, layer_id: int):
         def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+            if self._capturing:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
 
         return hook
 
@@ -102,15 +106,18 @@ class Target:
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, topk: int = 0) -> PrefillOutput:
-        self._captured.clear()
-        if topk:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=0)
-            values, indices = out.logits.float().topk(topk, dim=-1)
-        else:
-            self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            values = indices = None
-        features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
-        self._captured.clear()
+        self._capturing = True
+        try:
+            if topk:
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=0)
+                values, indices = out.logits.float().topk(topk, dim=-1)
+            else:
+                self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                values = indices = None
+            features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._capturing = False
+            self._captured.clear()
         return PrefillOutput(features, values, indices)
 
 

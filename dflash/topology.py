@@ -11,7 +11,11 @@ always waits on a smaller ``m`` than the one it holds, so no cycle of waits
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 
 
 class TopologyError(ValueError):
@@ -82,14 +86,6 @@ class Topology:
         """Micro-batches in ``[first, last)`` that ``drafter`` consumes, in order."""
         return [m for m in range(first, last) if self.consumer(m) == drafter]
 
-    def end_of_data_sender(self, drafter: int, last: int) -> int:
-        """The target that tells ``drafter`` the data has ended: the producer of the
-        first micro-batch at or after ``last`` that this drafter would consume."""
-        m = last
-        while self.consumer(m) != drafter:
-            m += 1
-        return self.producer(m)
-
 
 def auto_target_ranks(world_size: int, target_params: float, drafter_params: float, anchors: int, seq_len: int) -> int:
     """Split by FLOPs per sequence: the target prefill costs ``2 x P_t x S``, a drafter step
@@ -103,28 +99,26 @@ def auto_target_ranks(world_size: int, target_params: float, drafter_params: flo
 
 @dataclass
 class Groups:
-    """Process groups: one per (target, drafter) pair, and the drafter group."""
+    """One group per (target, drafter) pair for bundles, the drafter group for
+    gradients, and a gloo group per target with the metrics rank for control."""
 
-    pairs: dict[tuple[int, int], "object"]
-    drafters: "object"
+    pairs: dict[tuple[int, int], dist.ProcessGroup]
+    drafters: dist.ProcessGroup | None
+    control: dict[int, dist.ProcessGroup]
 
-    def for_target(self, target: int) -> dict[int, object]:
+    def for_target(self, target: int) -> dict[int, dist.ProcessGroup]:
         """Peer drafter rank -> pair group, as a target rank sees them."""
         return {d: g for (t, d), g in self.pairs.items() if t == target}
 
-    def for_drafter(self, drafter: int) -> dict[int, object]:
+    def for_drafter(self, drafter: int) -> dict[int, dist.ProcessGroup]:
         return {t: g for (t, d), g in self.pairs.items() if d == drafter}
 
 
-def init_groups(topo: Topology, device, timeout_s: float) -> Groups:
+def init_groups(topo: Topology, device: torch.device, timeout_s: float) -> Groups:
     """Initialise torch.distributed and create every group on every rank, in one order.
 
     NCCL on CUDA (eager init through ``device_id``), gloo on the CPU.
     """
-    import datetime
-
-    import torch.distributed as dist
-
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
@@ -136,4 +130,5 @@ def init_groups(topo: Topology, device, timeout_s: float) -> Groups:
         for d in topo.drafter_ranks
     }
     drafters = dist.new_group(topo.drafter_ranks, timeout=timeout)
-    return Groups(pairs, drafters)
+    control = {t: dist.new_group([t, topo.metrics_rank], timeout=timeout, backend="gloo") for t in range(topo.num_targets)}
+    return Groups(pairs, drafters, control)

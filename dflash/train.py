@@ -37,7 +37,7 @@ from dflash.model import DFlashDrafter, DrafterConfig, TargetHead, default_targe
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
 from dflash.target import PrefillOutput, Target, load_head, load_target, resolve_mask_token_id, resolve_path
 from dflash.topology import Groups, Topology, auto_target_ranks, init_groups
-from dflash.transport import FLAG_END, BundleReceiver, BundleSender, Expected
+from dflash.transport import FLAG_ABORT, FLAG_END, BundleReceiver, BundleSender, Expected, StopChannel
 
 log = logging.getLogger("dflash.train")
 
@@ -203,6 +203,15 @@ class StopRequested:
         signal.signal(signal.SIGTERM, self._previous)
 
 
+def agree(flag: bool, device: torch.device, group) -> bool:
+    """True on every drafter rank if it is true on any (so all stop at one step)."""
+    if group is None:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
 def run_steps(
     cfg: DictConfig,
     trainer: DrafterTrainer,
@@ -236,9 +245,11 @@ def run_steps(
                 in_a_row = 0
                 if step % t.log_every == 0 or step == steps:
                     metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stop.requested:
+            stopping = agree(stop.requested, trainer.device, group)
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stopping:
                 save_checkpoint(ckpt_root, step, trainer.drafter, trainer.optimizer, trainer.scheduler, cfg.checkpoint.keep, group)
-            if stop.requested:
+            if stopping:
+                log.warning("stopped at step %d; run again with resume=auto to continue", step)
                 break
     finally:
         stop.restore()
@@ -296,25 +307,35 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> 
 
 
 def run_target_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype) -> dict:
-    """Produce this rank's micro-batches in schedule order and send each to its drafter."""
+    """Produce this rank's micro-batches in schedule order and send each to its drafter,
+    until the data ends or the drafters say training stopped."""
     side = build_target_side(cfg, device, dtype)
     steps = total_steps(cfg, len(side.dataset))
     announced = [len(side.dataset), steps]
     dist.broadcast_object_list(announced, src=0)
     start = [0]
     dist.broadcast_object_list(start, src=topo.metrics_rank)
+    stop = StopChannel(groups.control[topo.rank], topo.metrics_rank, sending=False)
     sender = BundleSender(groups.for_target(topo.rank), device, cfg.topology.max_in_flight)
     first, last = start[0] * topo.micro_per_step, steps * topo.micro_per_step
-    for m in topo.produced_by(topo.rank, first, last):
-        batch, prefill = side.produce(m)
-        sender.send(topo.consumer(m), m, batch, prefill)
+    signal.signal(signal.SIGTERM, lambda *_: log.warning("SIGTERM: producing until the drafters have checkpointed"))
+    try:
+        for m in topo.produced_by(topo.rank, first, last):
+            if stop.stopped():
+                break
+            batch, prefill = side.produce(m)
+            sender.send(topo.consumer(m), m, batch, prefill)
+    except BaseException:
+        for drafter in topo.drafter_ranks:
+            sender.send_flag(drafter, -1, FLAG_ABORT)
+        raise
     for drafter in topo.drafter_ranks:
-        if topo.end_of_data_sender(drafter, last) == topo.rank:
-            sender.send_flag(drafter, last, FLAG_END)
+        sender.send_flag(drafter, last, FLAG_END)
     sender.drain()
+    final_step = stop.wait()
     dist.barrier()  # the export is written
-    summary = {"role": "target", "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
-    if topo.rank == 0 and cfg.eval.enabled and cfg.data.eval_path:
+    summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
+    if topo.rank == 0 and final_step == steps and cfg.eval.enabled and cfg.data.eval_path:
         report = evaluate(cfg, side, Path(cfg.output_dir) / "export")
         summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     return summary
@@ -377,10 +398,13 @@ def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: to
     )
     started = time.perf_counter()
     step = run_steps(cfg, trainer, feed, start, steps, metrics, groups.drafters, pipeline)
-    if step == steps:
-        header, _, _ = receiver.receive(topo.end_of_data_sender(topo.rank, steps * per_step), steps * per_step)
-        if not header.flags & FLAG_END:
-            raise RuntimeError(f"rank {topo.rank}: expected end of data after step {steps}, got micro-batch {header.micro_batch}")
+    if is_metrics:
+        for target in range(topo.num_targets):
+            StopChannel(groups.control[target], target, sending=True).send(step)
+    for target in range(topo.num_targets):
+        unused = receiver.drain(target)
+        if step == steps and unused:
+            raise RuntimeError(f"rank {topo.rank}: target {target} sent {unused} bundles past the last step")
     summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1)}
     if is_metrics and step == steps:
         finish_run(cfg, trainer, device)

@@ -103,8 +103,8 @@ class BundleSender:
         self.wait_s = 0.0
         self.bytes_sent = 0
 
-    def _post(self, peer: int, tensors: list[torch.Tensor]) -> None:
-        while len(self.in_flight) >= self.max_in_flight:
+    def _post(self, peer: int, tensors: list[torch.Tensor], bounded: bool = True) -> None:
+        while bounded and len(self.in_flight) >= self.max_in_flight:
             start = time.perf_counter()
             works, _ = self.in_flight.pop(0)
             for w in works:
@@ -125,7 +125,9 @@ class BundleSender:
         self._post(peer, [header.tensor().to(self.device), *bundle_tensors(batch, prefill, self.device)])
 
     def send_flag(self, peer: int, m: int, flags: int) -> None:
-        self._post(peer, [Header(micro_batch=m, flags=flags, send_wait_us=int(self.wait_s * 1e6)).tensor().to(self.device)])
+        """A header alone; never blocks, so an abort goes out even when peers are stuck."""
+        header = Header(micro_batch=m, flags=flags, send_wait_us=int(self.wait_s * 1e6))
+        self._post(peer, [header.tensor().to(self.device)], bounded=False)
 
     def drain(self) -> None:
         for works, _ in self.in_flight:
@@ -161,10 +163,10 @@ class BundleReceiver:
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buf, peer, group=self.groups[peer])])
         self._pending = (peer, buf, works)
 
-    def _check(self, h: Header, peer: int, m: int) -> None:
+    def _check(self, h: Header, peer: int, m: int | None) -> None:
         e = self.expected
         problems = []
-        if h.micro_batch != m:
+        if m is not None and h.micro_batch != m:
             problems.append(f"micro-batch {h.micro_batch}, expected {m}")
         if not 1 <= h.batch <= e.max_batch:
             problems.append(f"batch {h.batch} (train.micro_batch_size={e.max_batch})")
@@ -181,8 +183,17 @@ class BundleReceiver:
         if problems:
             raise BundleError(f"bundle from rank {peer} does not match this drafter: " + "; ".join(problems))
 
-    def receive(self, peer: int, m: int) -> tuple[Header, MicroBatch | None, PrefillOutput | None]:
-        """The bundle for micro-batch ``m`` from ``peer``; (header, None, None) at end of data."""
+    def drain(self, peer: int) -> int:
+        """Receive from ``peer`` up to its end-of-data flag; returns how many bundles
+        were discarded (after an early stop, those the target had already sent)."""
+        discarded = 0
+        while self.receive(peer, None)[1] is not None:
+            discarded += 1
+        return discarded
+
+    def receive(self, peer: int, m: int | None) -> tuple[Header, MicroBatch | None, PrefillOutput | None]:
+        """The bundle for micro-batch ``m`` from ``peer`` (any, if ``m`` is None);
+        (header, None, None) at end of data."""
         start = time.perf_counter()
         if self._pending is None or self._pending[0] != peer:
             self.post_header(peer)
@@ -210,3 +221,30 @@ class BundleReceiver:
         batch = MicroBatch(tokens[0], tokens[1], lengths, anchors[0], anchors[1].bool(), h.epoch)
         prefill = PrefillOutput(features, *bufs[4:6])
         return h, batch, prefill
+
+
+class StopChannel:
+    """Drafters tell targets when training has stopped, early (SIGTERM) or not.
+
+    Targets cannot learn it from the bundles, which flow one way. Each target
+    posts a receive at start on a gloo group shared with the metrics rank and
+    polls it before producing each micro-batch; the metrics rank always sends
+    the final step, so no receive is left dangling. gloo keeps this off the NCCL
+    streams, where a pending receive would block the bundles behind it.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, peer: int, sending: bool):
+        self.group, self.peer = group, peer
+        self.buf = torch.zeros(1, dtype=torch.int64)
+        self.work = None if sending else dist.irecv(self.buf, src=peer, group=group)
+
+    def stopped(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> int:
+        self.work.wait()
+        return int(self.buf)
+
+    def send(self, step: int) -> None:
+        self.buf.fill_(step)
+        dist.send(self.buf, dst=self.peer, group=self.group)

@@ -39,6 +39,8 @@ def test_prefill_topk_logits():
 def test_layer_ids_out_of_range_are_rejected():
     with pytest.raises(ValueError, match="outside"):
         Target(tiny_target(num_layers=4), [1, 4])
+    with pytest.raises(ValueError, match="outside"):
+        Target(tiny_target(num_layers=4), [1, 3])  # the last layer has no capture point
 
 
 class _Tok:

@@ -67,14 +67,6 @@ def test_schedule_cannot_deadlock(t, d, a, in_flight):
     simulate(topo(t, d, a), steps=4, in_flight=in_flight)
 
 
-def test_end_of_data_sender_is_the_next_producer():
-    tp = topo(2, 3, 2)
-    last = 5 * tp.micro_per_step
-    for d in tp.drafter_ranks:
-        m = next(m for m in range(last, last + 100) if tp.consumer(m) == d)
-        assert tp.end_of_data_sender(d, last) == tp.producer(m)
-
-
 def test_invalid_splits_fail_with_advice():
     with pytest.raises(TopologyError, match="at least one target and one drafter"):
         Topology(world_size=2, rank=0, num_targets=2, micro_batch_size=1, batch_size=2)
