@@ -42,32 +42,32 @@ def resolve_data_path(path: str) -> list[Path]:
 
 
 class BadRecord(ValueError):
-    """A conversation that cannot be trained on; the message says why."""
+    """A conversation that cannot be trained on: "category: detail", counted by category."""
 
 
 def parse_messages(record: object) -> list[dict[str, str]]:
     if not isinstance(record, dict):
-        raise BadRecord("line is not a JSON object")
+        raise BadRecord("not a JSON object")
     turns = record.get("conversations", record.get("messages"))
     if not isinstance(turns, list) or not turns:
-        raise BadRecord("no 'conversations' or 'messages' list")
+        raise BadRecord("no conversation: no 'conversations' or 'messages' list")
     messages = []
     for turn in turns:
         if not isinstance(turn, dict):
-            raise BadRecord("a turn is not an object")
+            raise BadRecord("bad turn: not an object")
         role = ROLE_ALIASES.get(str(turn.get("role", turn.get("from", ""))).lower())
         content = turn.get("content", turn.get("value"))
         if role is None:
-            raise BadRecord(f"unknown role {turn.get('role', turn.get('from'))!r}")
+            raise BadRecord(f"unknown role: {turn.get('role', turn.get('from'))!r}")
         if not isinstance(content, str):
-            raise BadRecord("turn content is not a string")
+            raise BadRecord("bad turn: content is not a string")
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no assistant turn")
     if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
-        raise BadRecord("empty assistant reply")
+        raise BadRecord("empty reply")
     if messages[0]["role"] == "assistant":
-        raise BadRecord("conversation starts with the assistant")
+        raise BadRecord("starts with the assistant")
     return messages
 
 
@@ -88,7 +88,7 @@ def tokenize_conversation(
         before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not (text.startswith(upto) and upto.startswith(before)):
-            raise BadRecord("the chat template does not render this conversation prefix-stably")
+            raise BadRecord("template: the chat template does not render this conversation prefix-stably")
         spans.append((len(before), len(upto)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in enc["offset_mapping"]]
@@ -133,9 +133,9 @@ def load_dataset(
                     messages = parse_messages(json.loads(raw.decode("utf-8")))
                     ids, mask = tokenize_conversation(tokenizer, messages)
                     if len(ids) > max_len:
-                        raise BadRecord(f"{len(ids)} tokens > train.max_len={max_len}")
+                        raise BadRecord(f"too long: {len(ids)} tokens > train.max_len={max_len}")
                     if sum(mask) < min_loss_tokens:
-                        raise BadRecord(f"fewer than {min_loss_tokens} response tokens")
+                        raise BadRecord(f"too short: fewer than {min_loss_tokens} response tokens")
                 except UnicodeDecodeError:
                     reason = "bad UTF-8"
                 except json.JSONDecodeError:
@@ -147,7 +147,7 @@ def load_dataset(
                     if max_samples and len(samples) >= max_samples:
                         break
                     continue
-                skipped[reason.split(" tokens >")[0] if "tokens >" in reason else reason] += 1
+                skipped[reason.split(":")[0]] += 1
                 problems.append(f"{where}: {reason}")
     if problems:
         shown = "\n  ".join(problems[:10])
