@@ -50,5 +50,5 @@ def build_mask(
     kv_len = ctx_len + q_len
     mod = dflash_mask_mod(anchors, ctx_len, block_size)
     if use_flex:
-        return create_block_mask(mod, batch, None, q_len, kv_len, device=anchors.device)
+        return create_block_mask(mod, batch, None, q_len, kv_len, device=anchors.device, _compile=True)
     return dense_mask(mod, batch, q_len, kv_len, anchors.device)

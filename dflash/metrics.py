@@ -20,10 +20,12 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: Path, wandb_cfg: dict, run_config: dict, enabled: bool = True):
+    def __init__(self, output_dir: Path, wandb_cfg: dict, run_config: dict, start_step: int, enabled: bool = True):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"
         self.run = None
+        if enabled:
+            self._keep_until(start_step)
         if enabled and wandb_cfg["mode"] != "disabled":
             import wandb
 
@@ -35,6 +37,13 @@ class MetricsLogger:
                 config=run_config,
             )
         self._last = time.perf_counter()
+
+    def _keep_until(self, step: int) -> None:
+        """A fresh run starts an empty file; a resumed one drops records past its
+        checkpoint, which a crash may have left, so every step appears once."""
+        lines = self.path.read_text().splitlines() if self.path.is_file() else []
+        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def log_step(self, step: int, total_steps: int, m: dict, extra: dict | None = None) -> dict:
         now = time.perf_counter()

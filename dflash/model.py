@@ -78,6 +78,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 Mask = BlockMask | torch.Tensor | None
 
+# Eager flex_attention materialises the full score matrix; compiled, it is a fused kernel.
+compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """Attention over ``[context; block]`` keys.
@@ -87,7 +90,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
     key, which is exactly inference, where the context stops at the anchor.
     """
     if isinstance(mask, BlockMask):
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

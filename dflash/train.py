@@ -273,12 +273,14 @@ def finish_run(cfg: DictConfig, trainer: DrafterTrainer, device: torch.device) -
 
 def evaluate(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict:
     """Speculative decoding with the exported drafter on held-out prompts."""
-    from dflash.eval import evaluate_datasets
+    from dflash.eval import evaluate_datasets, format_table
 
-    return evaluate_datasets(
+    report = evaluate_datasets(
         side.target.model, side.tokenizer, export_dir, side.target.head(), {"heldout": cfg.data.eval_path},
         cfg.eval.max_prompts, cfg.eval.max_new_tokens, Path(cfg.output_dir) / "eval.json", target_name=cfg.target.path,
     )
+    log.info("speculative decoding with the export (%s):\n%s", Path(cfg.output_dir) / "eval.json", format_table(report))
+    return report
 
 
 def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> dict:
@@ -293,7 +295,9 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> 
     def feed(step: int):
         return (side.produce(m) for m in range(step * per_step, (step + 1) * per_step))
 
-    metrics = MetricsLogger(Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True))
+    metrics = MetricsLogger(
+        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
+    )
     started = time.perf_counter()
     step = run_steps(cfg, trainer, feed, start, steps, metrics)
     summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1)}
@@ -311,8 +315,7 @@ def run_target_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: tor
     until the data ends or the drafters say training stopped."""
     side = build_target_side(cfg, device, dtype)
     steps = total_steps(cfg, len(side.dataset))
-    announced = [len(side.dataset), steps]
-    dist.broadcast_object_list(announced, src=0)
+    dist.broadcast_object_list([steps], src=0)
     start = [0]
     dist.broadcast_object_list(start, src=topo.metrics_rank)
     stop = StopChannel(groups.control[topo.rank], topo.metrics_rank, sending=False)
@@ -347,9 +350,9 @@ def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: to
     head = load_head(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
     mask_id = resolve_mask_token_id(tokenizer, head.vocab_size, cfg.target.mask_token_id)
-    announced = [0, 0]
+    announced = [0]
     dist.broadcast_object_list(announced, src=0)
-    _, steps = announced
+    steps = announced[0]
     trainer = build_trainer(cfg, target_config, head, mask_id, steps, device, dtype)
     start = [resume_step(cfg, trainer, groups.drafters)]
     dist.broadcast_object_list(start, src=topo.metrics_rank)
@@ -394,7 +397,7 @@ def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: to
 
     is_metrics = topo.rank == topo.metrics_rank
     metrics = MetricsLogger(
-        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), enabled=is_metrics
+        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
     )
     started = time.perf_counter()
     step = run_steps(cfg, trainer, feed, start, steps, metrics, groups.drafters, pipeline)
