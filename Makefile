@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-gpu bench clean
+.PHONY: install demo test test-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -13,9 +13,10 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 
+# one target process and one drafter process; the run ends with speculative decoding on held-out prompts
 demo: install
-	$(PY) -m dflash.train
-	$(PY) -m dflash.eval --drafter outputs/demo/export
+	rm -rf outputs/demo
+	PYTHON=$(PY) NPROC=2 ./launch.sh topology.target_ranks=1
 
 test: install
 	$(PY) -m pytest -q -m "not gpu"

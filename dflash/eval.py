@@ -401,6 +401,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="target and drafter dtype; a 16-token verify and a 1-token step round differently, "
+        "which in bf16 can flip near-tied argmaxes and so 'lossless'; float32 keeps that far below logit gaps",
+    )
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--out", default=None, help="report path; default <output_dir>/eval.json next to the export")
     return ap.parse_args(argv)
@@ -410,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype)
     datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
     target_model, tokenizer = load_target(args.target, device, dtype, args.trust_remote_code)
     head = TargetHead(target_model.get_input_embeddings().weight, target_model.get_output_embeddings().weight)

@@ -37,6 +37,7 @@ class MetricsLogger:
                 config=run_config,
             )
         self._last = time.perf_counter()
+        self._samples = self._tokens = 0
 
     def _keep_until(self, step: int) -> None:
         """A fresh run starts an empty file; a resumed one drops records past its
@@ -45,9 +46,15 @@ class MetricsLogger:
         kept = [line for line in lines if json.loads(line)["step"] <= step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
+    def count(self, m: dict) -> None:
+        """Every step's samples and tokens, so throughput covers the whole logging interval."""
+        self._samples += m["samples"]
+        self._tokens += m["tokens"]
+
     def log_step(self, step: int, total_steps: int, m: dict, extra: dict | None = None) -> dict:
         now = time.perf_counter()
         elapsed, self._last = now - self._last, now
+        samples, tokens, self._samples, self._tokens = self._samples, self._tokens, 0, 0
         acc: torch.Tensor = m["acc"]
         record = {
             "step": step,
@@ -55,8 +62,8 @@ class MetricsLogger:
             "tau_sim": tau_sim(acc),
             "lr": m["lr"],
             "grad_norm": m["grad_norm"],
-            "samples_per_s": m["samples"] / elapsed,
-            "tokens_per_s": m["tokens"] / elapsed,
+            "samples_per_s": samples / elapsed,
+            "tokens_per_s": tokens / elapsed,
             **{f"acc_{k}": float(a) for k, a in enumerate(acc.tolist()) if k >= 1},
             **(extra or {}),
         }
@@ -71,9 +78,6 @@ class MetricsLogger:
                 record["samples_per_s"],
             )
         return record
-
-    def reset_clock(self) -> None:
-        self._last = time.perf_counter()
 
     def close(self, summary: dict | None = None) -> None:
         if self.run is not None:

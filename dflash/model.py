@@ -9,6 +9,7 @@ embedding and no LM head: those are the target's, frozen, and live in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -78,8 +79,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 Mask = BlockMask | torch.Tensor | None
 
-# Eager flex_attention materialises the full score matrix; compiled, it is a fused kernel.
-compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """Eager flex_attention materialises the full score matrix; compiled, it is a fused
+    kernel. Built on first use so that CPU runs never load the compiler."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
@@ -90,7 +96,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
     key, which is exactly inference, where the context stops at the anchor.
     """
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

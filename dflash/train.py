@@ -243,6 +243,7 @@ def run_steps(
                     raise RuntimeError(f"{in_a_row} steps in a row had no valid anchor or a non-finite loss")
             else:
                 in_a_row = 0
+                metrics.count(result)
                 if step % t.log_every == 0 or step == steps:
                     metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
             stopping = agree(stop.requested, trainer.device, group)

@@ -1,0 +1,56 @@
+"""SIGTERM saves a checkpoint at a step boundary and the job ends (no hang)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runs import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(cmd: list[str], output_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    overrides = [o for o in TINY if not o.startswith("train.max_steps")] + ["train.max_steps=500", f"output_dir={output_dir}"]
+    return subprocess.Popen(cmd + overrides, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"training exited early:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail("training did not reach the first steps in time")
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        [sys.executable, "-m", "dflash.train"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "-m", "dflash.train", "topology.target_ranks=1"],
+    ],
+    ids=["colocated", "disaggregated"],
+)
+def test_sigterm_checkpoints_and_exits(tmp_path, cmd):
+    proc = launch(cmd, tmp_path)
+    wait_for_steps(proc, tmp_path / "metrics.jsonl", 3)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job hung after SIGTERM")
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert saved, out
+    step = int(saved[-1].name.split("_")[1])
+    assert 3 <= step < 500
+    assert not (tmp_path / "export").exists(), "an interrupted run does not export"
