@@ -43,7 +43,7 @@ def test_bad_lines_are_skipped_and_counted(tmp_path, tokenizer, caplog):
 
 def test_strict_rejects_at_start(tmp_path, tokenizer):
     path = write(tmp_path / "d.jsonl", [GOOD, BAD[1]])
-    with pytest.raises(ValueError, match=r"data.strict=true and 1 bad.*d.jsonl:2: unknown role: 'narrator'"):
+    with pytest.raises(ValueError, match=r"(?s)data.strict=true and 1 bad.*d.jsonl:2: unknown role: 'narrator'"):
         load_dataset(str(path), tokenizer, max_len=320, min_loss_tokens=2, strict=True)
 
 
