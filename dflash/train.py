@@ -427,6 +427,8 @@ def setup_logging(topo: Topology | None) -> None:
 
 
 def train(cfg: DictConfig) -> dict:
+    if cfg.compile.enabled:
+        raise ValueError("compile.enabled=true: CUDA-graph compilation of the drafter step is not in this version")
     topo = build_topology(cfg)
     setup_logging(topo)
     device, dtype = pick_device()
