@@ -103,7 +103,7 @@ class Groups:
     gradients, and a gloo group per target with the metrics rank for control."""
 
     pairs: dict[tuple[int, int], dist.ProcessGroup]
-    drafters: dist.ProcessGroup | None
+    drafters: dist.ProcessGroup
     control: dict[int, dist.ProcessGroup]
 
     def for_target(self, target: int) -> dict[int, dist.ProcessGroup]:

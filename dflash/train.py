@@ -26,7 +26,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash.anchors import default_gamma
 from dflash.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -69,8 +69,6 @@ def build_topology(cfg: DictConfig) -> Topology | None:
 
 def auto_split(cfg: DictConfig, world: int) -> int:
     """Target ranks from the FLOPs of both sides, counted on meta-device models."""
-    from transformers import AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
     layer_ids = target_layer_ids(cfg, config.get_text_config().num_hidden_layers)
     with torch.device("meta"):

@@ -51,3 +51,10 @@ def test_end_of_data_mid_epoch_with_uneven_shards(tmp_path):
 def test_unknown_keys_are_errors():
     with pytest.raises(ConfigCompositionException):
         compose_cfg(["train.no_such_key=1"])
+
+
+def test_auto_split_counts_both_models():
+    from dflash.train import auto_split
+
+    for world in (2, 4, 8):
+        assert 1 <= auto_split(compose_cfg([]), world) <= world - 1
