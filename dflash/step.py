@@ -81,9 +81,9 @@ class DrafterTrainer:
         self.stats = self._fresh_stats()
 
     def _fresh_stats(self) -> StepStats:
-        z = lambda *shape: torch.zeros(*shape, device=self.device)  # noqa: E731
-        b = self.obj.block_size
-        return StepStats(z(()), z(()), z(b), z(b))
+        scalar = torch.zeros((), device=self.device)
+        per_slot = torch.zeros(self.obj.block_size, device=self.device)
+        return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone())
 
     def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
         """Forward + backward of one micro-batch; gradients accumulate unnormalised."""

@@ -82,6 +82,11 @@ def auto_split(cfg: DictConfig, world: int) -> int:
     return split
 
 
+def length_buckets(cfg: DictConfig) -> list[int]:
+    """The padded lengths: what targets pad to and what drafters accept."""
+    return sorted(cfg.train.buckets or [cfg.train.max_len])
+
+
 def target_layer_ids(cfg: DictConfig, num_target_layers: int) -> list[int]:
     ids = cfg.drafter.target_layer_ids or default_target_layer_ids(num_target_layers, cfg.drafter.num_context_features)
     return list(ids)
@@ -144,7 +149,7 @@ def build_target_side(cfg: DictConfig, device: torch.device, dtype: torch.dtype)
         dataset=dataset,
         schedule=Schedule(len(dataset), t.batch_size, t.micro_batch_size, t.seed),
         anchors=AnchorSpec(t.num_anchors, cfg.drafter.block_size, t.seed),
-        buckets=sorted(t.buckets or [t.max_len]),
+        buckets=length_buckets(cfg),
         pad_id=pad_id,
         topk=cfg.loss.kl_topk,
         device=device,
@@ -362,7 +367,7 @@ def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: to
         feature_dim=trainer.drafter.fc.in_features,
         feature_dtype=dtype,
         topk=cfg.loss.kl_topk,
-        buckets=sorted(cfg.train.buckets or [cfg.train.max_len]),
+        buckets=length_buckets(cfg),
     )
     receiver = BundleReceiver(groups.for_drafter(topo.rank), device, expected)
     per_step = topo.micro_per_step
