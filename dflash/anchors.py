@@ -42,9 +42,9 @@ def sample_anchors(
     return anchors[order], keep[order]
 
 
-def decay_weights(block_size: int, gamma: float) -> torch.Tensor:
+def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
     """``w_k = exp(-(k-1)/gamma)`` for block slot k >= 1; slot 0 (the anchor) has no loss."""
-    k = torch.arange(block_size, dtype=torch.float32)
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0)
 
 
@@ -85,7 +85,7 @@ def make_blocks(
         & (positions < lengths[:, None, None])
         & (offsets >= 1)
     ).flatten(1) & loss_mask.gather(1, gather_at).bool()
-    weights = decay_weights(block_size, gamma).to(input_ids.device).repeat(anchors.shape[1])
+    weights = decay_weights(block_size, gamma, input_ids.device).repeat(anchors.shape[1])
     weights = torch.where(has_loss, weights, 0.0)
     return Blocks(ids, positions.flatten(1), labels, weights, gather_at)
 

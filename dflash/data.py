@@ -174,11 +174,6 @@ class MicroBatch:
     keep: torch.Tensor  # [b, num_anchors] bool: False for slots that could not be filled
     epoch: int
 
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        positions = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
-        return (positions[None] < self.lengths[:, None]).long()
-
     def to(self, device: torch.device) -> "MicroBatch":
         moved = (t.to(device, non_blocking=True) for t in (self.input_ids, self.loss_mask, self.lengths, self.anchors, self.keep))
         return MicroBatch(*moved, self.epoch)
@@ -246,3 +241,16 @@ def collate(
         anchors.append(a)
         keep.append(k)
     return MicroBatch(ids, mask, torch.tensor(lengths), torch.stack(anchors), torch.stack(keep), epoch)
+
+
+def random_batch(batch: int, seq_len: int, vocab_size: int, spec: AnchorSpec, seed: int = 0) -> MicroBatch:
+    """Random tokens at full length, every token a response token: the shapes of
+    real micro-batches without any data (compile warmup, benchmarks)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
+    mask = torch.ones_like(ids)
+    drawn = [sample_anchors(mask[r], spec.num_anchors, spec.block_size, g) for r in range(batch)]
+    anchors = torch.stack([a for a, _ in drawn])
+    keep = torch.stack([k for _, k in drawn])
+    return MicroBatch(ids, mask, torch.full((batch,), seq_len), anchors, keep, epoch=0)
+

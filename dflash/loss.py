@@ -27,9 +27,8 @@ class LossOutput:
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size):
-        grad_hidden = torch.empty_like(hidden)
-        predictions = torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device)
         total = hidden.new_zeros((), dtype=torch.float32)
+        grads, predictions = [], []
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = (hidden[rows] @ head_weight.t()).float()
@@ -49,8 +48,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 total = total + kl_weight * (w * kl).sum()
                 grad_logits += kl_weight * w[:, None] * probs
                 grad_logits.scatter_add_(1, teacher_idx[rows], -kl_weight * w[:, None] * t_probs)
-            grad_hidden[rows] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
-            predictions[rows] = logits.argmax(-1)
+            grads.append((grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype))
+            predictions.append(logits.argmax(-1))
+        grad_hidden, predictions = torch.cat(grads), torch.cat(predictions)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
         return total, predictions

@@ -50,5 +50,7 @@ def build_mask(
     kv_len = ctx_len + q_len
     mod = dflash_mask_mod(anchors, ctx_len, block_size)
     if use_flex:
-        return create_block_mask(mod, batch, None, q_len, kv_len, device=anchors.device, _compile=True)
+        # Inside a compiled step the mask is traced with the rest; outside, compile it alone.
+        compile_alone = not torch.compiler.is_compiling()
+        return create_block_mask(mod, batch, None, q_len, kv_len, device=anchors.device, _compile=compile_alone)
     return dense_mask(mod, batch, q_len, kv_len, anchors.device)

@@ -80,7 +80,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 Mask = BlockMask | torch.Tensor | None
 
 
-
 @functools.cache
 def compiled_flex_attention():
     """Eager flex_attention materialises the full score matrix; compiled, it is a fused
@@ -96,7 +95,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
     key, which is exactly inference, where the context stops at the anchor.
     """
     if isinstance(mask, BlockMask):
-        return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        return flex(q, k, v, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

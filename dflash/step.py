@@ -9,7 +9,6 @@ step and never per micro-batch.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash.anchors import make_blocks
+from dflash.compile import CompileSettings
 from dflash.data import MicroBatch
 from dflash.loss import head_loss, slot_accuracy
 from dflash.masks import build_mask
@@ -42,8 +42,8 @@ class StepStats:
     weight_sum: torch.Tensor
     correct: torch.Tensor
     counted: torch.Tensor
+    tokens: torch.Tensor
     samples: int = 0
-    tokens: int = 0
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
@@ -59,7 +59,13 @@ def cosine_schedule(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
 
 
 class DrafterTrainer:
-    """Holds the drafter, the frozen head, the optimizer and the scheduler."""
+    """Holds the drafter, the frozen head, the optimizer and the scheduler.
+
+    Gradients accumulate in one persistent fp32 flat buffer: under CUDA graphs a
+    parameter's ``.grad`` is memory of the graph pool that the next replay
+    overwrites, so each micro-batch's gradients are added to the buffer and
+    dropped at once. The same buffer is what the drafter group all-reduces.
+    """
 
     def __init__(
         self,
@@ -70,38 +76,52 @@ class DrafterTrainer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         grad_clip: float,
         autocast_dtype: torch.dtype | None,
+        compile_settings: CompileSettings | None = None,
     ):
         self.drafter, self.head, self.obj = drafter, head, objective
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.device = next(drafter.parameters()).device
         self.use_flex = self.device.type == "cuda"
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
-        )
+        self.autocast_dtype = autocast_dtype
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        sizes = [p.numel() for p in self.params]
+        self.flat_grad = torch.zeros(sum(sizes), device=self.device)
+        self.grad_views = [v.view_as(p) for v, p in zip(self.flat_grad.split(sizes), self.params)]
+        self.compiled = compile_settings is not None and compile_settings.drafter
+        self.cuda_graphs = self.compiled and compile_settings.cuda_graphs
+        self.forward_loss = compile_settings.compile(self._forward_loss) if self.compiled else self._forward_loss
         self.stats = self._fresh_stats()
 
     def _fresh_stats(self) -> StepStats:
         scalar = torch.zeros((), device=self.device)
         per_slot = torch.zeros(self.obj.block_size, device=self.device)
-        return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone())
+        return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone(), scalar.clone())
 
-    def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
-        """Forward + backward of one micro-batch; gradients accumulate unnormalised."""
+    def _forward_loss(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        lengths: torch.Tensor,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        topk_values: torch.Tensor | None,
+        topk_indices: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Blocks, mask, drafter and loss of one micro-batch: the compiled region.
+        Returns (weighted loss sum, weight sum, per-slot correct, per-slot counted)."""
         obj = self.obj
-        batch = batch.to(self.device)
-        blocks = make_blocks(
-            batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep, obj.block_size, obj.mask_token_id, obj.gamma
-        )
-        b, seq_len = batch.input_ids.shape
-        mask = build_mask(batch.anchors, seq_len, obj.block_size, self.use_flex)
-        ctx_positions = torch.arange(seq_len, device=self.device).expand(b, seq_len)
+        blocks = make_blocks(input_ids, loss_mask, lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma)
+        b, seq_len = input_ids.shape
+        mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex)
+        ctx_positions = torch.arange(seq_len, device=input_ids.device).expand(b, seq_len)
         teacher_idx = teacher_logits = None
         if obj.kl_weight:
             at = (blocks.label_positions - 1).clamp(min=0)[..., None]
-            teacher_idx = prefill.topk_indices.gather(1, at.expand(-1, -1, prefill.topk_indices.shape[-1])).flatten(0, 1)
-            teacher_logits = prefill.topk_values.gather(1, at.expand(-1, -1, prefill.topk_values.shape[-1])).flatten(0, 1)
-        with self.autocast:
-            hidden = self.drafter(prefill.features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask)
+            teacher_idx = topk_indices.gather(1, at.expand(-1, -1, topk_indices.shape[-1])).flatten(0, 1)
+            teacher_logits = topk_values.gather(1, at.expand(-1, -1, topk_values.shape[-1])).flatten(0, 1)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
+            hidden = self.drafter(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask)
             out = head_loss(
                 hidden.flatten(0, 1),
                 self.head.lm_head_weight,
@@ -113,45 +133,68 @@ class DrafterTrainer:
                 obj.kl_weight,
                 obj.chunk_size,
             )
-        out.loss_sum.backward()
         correct, counted = slot_accuracy(out.predictions, blocks.labels, blocks.weights, obj.block_size)
+        return out.loss_sum, blocks.weights.sum(), correct, counted
+
+    def _forward_backward(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss_sum, weight_sum, correct, counted = self.forward_loss(
+            prefill.features, batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep,
+            prefill.topk_values, prefill.topk_indices,
+        )
+        loss_sum.backward()
+        torch._foreach_add_(self.grad_views, [p.grad for p in self.params])
+        for p in self.params:
+            p.grad = None
         s = self.stats
-        s.loss_sum += out.loss_sum.detach()
-        s.weight_sum += blocks.weights.sum()
+        s.loss_sum += loss_sum.detach()
+        s.weight_sum += weight_sum
         s.correct += correct
         s.counted += counted
-        s.samples += b
-        s.tokens += int(batch.lengths.sum())
+
+    def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
+        """Forward + backward of one micro-batch; gradients accumulate unnormalised."""
+        batch = batch.to(self.device)
+        self._forward_backward(batch, prefill)
+        self.stats.samples += batch.input_ids.shape[0]
+        self.stats.tokens += batch.lengths.sum()
+
+    def warmup(self, batches: list[tuple[MicroBatch, PrefillOutput]], calls: int = 3) -> None:
+        """Compile and record every shape before data flows: CUDAGraph Trees warms a
+        graph up, records it, then replays, so each shape runs ``calls`` times. The
+        gradients and statistics are thrown away; no weight changes."""
+        for batch, prefill in batches:
+            for _ in range(calls):
+                self._forward_backward(batch.to(self.device), prefill)
+        self.flat_grad.zero_()
+        self.stats = self._fresh_stats()
 
     def finish(self, group=None) -> dict | None:
         """Reduce over the drafter ``group`` (if any), normalise by the step's total
         weight, clip, update. Returns metrics, or ``None`` when every rank skips the
         step (no valid anchor anywhere, or a non-finite loss)."""
         s, self.stats = self.stats, self._fresh_stats()
-        params = [p for p in self.drafter.parameters() if p.grad is not None]
-        sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted,
-                          torch.tensor([s.samples, s.tokens], dtype=torch.float32, device=self.device)])
+        samples = torch.tensor([s.samples], dtype=torch.float32, device=self.device)
+        sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted, samples, s.tokens[None]])
         if group is not None:
-            flat = torch.cat([p.grad.flatten() for p in params])
-            dist.all_reduce(flat, group=group)
+            dist.all_reduce(self.flat_grad, group=group)
             dist.all_reduce(sums, group=group)
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
         b = self.obj.block_size
         loss_sum, weight, correct, counted = sums[0], float(sums[1]), sums[2 : 2 + b], sums[2 + b : 2 + 2 * b]
         loss = float(loss_sum) / weight if weight > 0 else float("nan")
         if weight <= 0 or not math.isfinite(loss):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.flat_grad.zero_()
             return None
-        for p in params:
-            p.grad.div_(weight)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip))
+        self.flat_grad.div_(weight)
+        for p, g in zip(self.params, self.grad_views):
+            p.grad = g
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.flat_grad.zero_()
         return {
             "loss": loss,
             "grad_norm": grad_norm,

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from dflash.compile import CompileSettings
 from dflash.model import TargetHead
 
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
@@ -72,6 +73,17 @@ class PrefillOutput:
     topk_indices: torch.Tensor | None = None  # [b, S, k]
 
 
+def random_prefill(
+    batch: int, seq_len: int, feature_dim: int, dtype: torch.dtype, topk: int, vocab_size: int, device: torch.device
+) -> PrefillOutput:
+    """What a prefill returns, filled with noise: drafter warmup and benchmarks."""
+    features = torch.randn(batch, seq_len, feature_dim, device=device).to(dtype)
+    if not topk:
+        return PrefillOutput(features)
+    values = torch.randn(batch, seq_len, topk, device=device).sort(-1, descending=True).values
+    return PrefillOutput(features, values, torch.randint(0, vocab_size, (batch, seq_len, topk), device=device))
+
+
 class Target:
     """A frozen HF causal LM that yields context features for the drafter."""
 
@@ -104,15 +116,27 @@ class Target:
         """The frozen embedding and LM head, sharing storage with the target."""
         return TargetHead(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight)
 
+    def compile(self, settings: CompileSettings) -> None:
+        """Compile each decoder layer's forward (static shapes, no CUDA graphs: a
+        prefill's kernels are large enough that launches do not matter). The
+        layers share one code object, so one graph per length serves all of
+        them, and the capture hooks stay outside the compiled code."""
+        for layer in decoder_layers(self.model):
+            layer.forward = settings.compile(layer.forward, mode="default", fullgraph=False)
+
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, topk: int = 0) -> PrefillOutput:
+    def prefill(self, input_ids: torch.Tensor, topk: int = 0) -> PrefillOutput:
+        """Features of a right-padded batch. No attention mask is passed: under the
+        causal mask a real token never sees the padding after it, so its hidden
+        state is exact, and the plain causal path is the fast one (flash
+        attention). What lands on padded positions is never read by the drafter."""
         self._capturing = True
         try:
             if topk:
-                out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=0)
+                out = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=0)
                 values, indices = out.logits.float().topk(topk, dim=-1)
             else:
-                self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                self.model.get_decoder()(input_ids=input_ids, use_cache=False)
                 values = indices = None
             features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:

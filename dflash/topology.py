@@ -100,11 +100,13 @@ def auto_target_ranks(world_size: int, target_params: float, drafter_params: flo
 @dataclass
 class Groups:
     """One group per (target, drafter) pair for bundles, the drafter group for
-    gradients, and a gloo group per target with the metrics rank for control."""
+    gradients, a gloo group per target with the metrics rank for control, and a
+    gloo group of all ranks for warmup barriers (no GPU work while waiting)."""
 
     pairs: dict[tuple[int, int], dist.ProcessGroup]
     drafters: dist.ProcessGroup
     control: dict[int, dist.ProcessGroup]
+    everyone: dist.ProcessGroup
 
     def for_target(self, target: int) -> dict[int, dist.ProcessGroup]:
         """Peer drafter rank -> pair group, as a target rank sees them."""
@@ -131,4 +133,5 @@ def init_groups(topo: Topology, device: torch.device, timeout_s: float) -> Group
     }
     drafters = dist.new_group(topo.drafter_ranks, timeout=timeout)
     control = {t: dist.new_group([t, topo.metrics_rank], timeout=timeout, backend="gloo") for t in range(topo.num_targets)}
-    return Groups(pairs, drafters, control)
+    everyone = dist.new_group(timeout=timeout, backend="gloo")
+    return Groups(pairs, drafters, control, everyone)

@@ -13,6 +13,7 @@ evaluated with real speculative decoding on held-out prompts.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -30,12 +31,28 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from dflash.anchors import default_gamma
 from dflash.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
-from dflash.data import AnchorSpec, Dataset, MicroBatch, Schedule, collate, load_dataset
+from dflash.compile import (
+    CompileGuard,
+    CompileSettings,
+    assert_main_thread,
+    resolve_settings,
+    staggered_warmup,
+    warmup_group,
+)
+from dflash.data import AnchorSpec, Dataset, MicroBatch, Schedule, collate, load_dataset, random_batch
 from dflash.export import save_export
 from dflash.metrics import MetricsLogger
 from dflash.model import DFlashDrafter, DrafterConfig, TargetHead, default_target_layer_ids
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
-from dflash.target import PrefillOutput, Target, load_head, load_target, resolve_mask_token_id, resolve_path
+from dflash.target import (
+    PrefillOutput,
+    Target,
+    load_head,
+    load_target,
+    random_prefill,
+    resolve_mask_token_id,
+    resolve_path,
+)
 from dflash.topology import Groups, Topology, auto_target_ranks, init_groups
 from dflash.transport import FLAG_ABORT, FLAG_END, BundleReceiver, BundleSender, Expected, StopChannel
 
@@ -132,19 +149,31 @@ class TargetSide:
         """Global micro-batch ``m``: collate (anchors drawn on the host), then prefill."""
         epoch, indices = self.schedule.micro_batch(m)
         batch = collate(self.dataset, epoch, indices, self.buckets, self.pad_id, self.anchors)
-        prefill = self.target.prefill(batch.input_ids.to(self.device), batch.attention_mask.to(self.device), self.topk)
+        prefill = self.target.prefill(batch.input_ids.to(self.device), self.topk)
         return batch, prefill
 
+    def warm(self, micro_batch_size: int) -> None:
+        """One prefill per length bucket, so every compiled shape exists before data flows."""
+        vocab = self.target.head().vocab_size
+        for seq_len in self.buckets:
+            batch = random_batch(micro_batch_size, seq_len, vocab, self.anchors)
+            self.target.prefill(batch.input_ids.to(self.device), self.topk)
 
-def build_target_side(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> TargetSide:
+
+def build_target_side(
+    cfg: DictConfig, device: torch.device, dtype: torch.dtype, compile_settings: CompileSettings
+) -> TargetSide:
     t = cfg.train
     model, tokenizer = load_target(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
     layer_ids = target_layer_ids(cfg, model.config.get_text_config().num_hidden_layers)
+    target = Target(model, layer_ids)
+    if compile_settings.target:
+        target.compile(compile_settings)
     dataset = load_dataset(cfg.data.path, tokenizer, t.max_len, cfg.data.min_loss_tokens, cfg.data.strict, cfg.data.max_samples)
     log.info("%d conversations, %d skipped %s", len(dataset), sum(dataset.skipped.values()), dict(dataset.skipped))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return TargetSide(
-        target=Target(model, layer_ids),
+        target=target,
         tokenizer=tokenizer,
         dataset=dataset,
         schedule=Schedule(len(dataset), t.batch_size, t.micro_batch_size, t.seed),
@@ -162,7 +191,14 @@ def total_steps(cfg: DictConfig, num_samples: int) -> int:
 
 
 def build_trainer(
-    cfg: DictConfig, target_config, head: TargetHead, mask_token_id: int, steps: int, device: torch.device, dtype: torch.dtype
+    cfg: DictConfig,
+    target_config,
+    head: TargetHead,
+    mask_token_id: int,
+    steps: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    compile_settings: CompileSettings,
 ) -> DrafterTrainer:
     """The drafter on the target's shapes (fp32 master weights, bf16 autocast on GPU)
     with AdamW and a cosine schedule."""
@@ -188,7 +224,38 @@ def build_trainer(
         chunk_size=cfg.loss.chunk_size,
     )
     autocast = dtype if device.type == "cuda" else None
-    return DrafterTrainer(drafter, head, objective, optimizer, scheduler, t.grad_clip, autocast)
+    return DrafterTrainer(drafter, head, objective, optimizer, scheduler, t.grad_clip, autocast, compile_settings)
+
+
+def warm_drafter(cfg: DictConfig, trainer: DrafterTrainer, dtype: torch.dtype) -> None:
+    """Compile and record the drafter step for every length bucket on random data."""
+    if not trainer.compiled:
+        return
+    t, head = cfg.train, trainer.head
+    spec = AnchorSpec(t.num_anchors, trainer.obj.block_size, t.seed)
+    batches = [
+        (
+            random_batch(t.micro_batch_size, seq_len, head.vocab_size, spec),
+            random_prefill(
+                t.micro_batch_size, seq_len, trainer.drafter.fc.in_features, dtype, cfg.loss.kl_topk,
+                head.vocab_size, trainer.device,
+            ),
+        )
+        for seq_len in length_buckets(cfg)
+    ]
+    trainer.warmup(batches)
+
+
+def log_warmup(cfg: DictConfig, reports: list[dict]) -> None:
+    """One line per rank and ``warmup.json``: who compiled, who loaded from the cache."""
+    lines = [
+        f"  rank {r['rank']} ({r['role']}, group {r['group']}): {r['wall_s']:.1f} s, {r['graphs']} graphs, "
+        f"FX cache {r['fx_cache_hits']} hits / {r['fx_cache_misses']} misses, "
+        f"AOT cache {r['aot_cache_hits']} hits / {r['aot_cache_misses']} misses"
+        for r in reports
+    ]
+    log.info("compile warmup:\n%s", "\n".join(lines))
+    (Path(cfg.output_dir) / "warmup.json").write_text(json.dumps(reports, indent=1))
 
 
 class StopRequested:
@@ -224,6 +291,7 @@ def run_steps(
     metrics: MetricsLogger,
     group=None,
     pipeline: Callable[[], dict] | None = None,
+    guard: CompileGuard | None = None,
 ) -> int:
     """The optimizer-step loop shared by the colocated and drafter roles. Returns the
     last completed step."""
@@ -238,6 +306,8 @@ def run_steps(
             result = trainer.finish(group)
             step += 1
             extra = pipeline() if pipeline else {}
+            if guard is not None:
+                extra.update(guard.check(f"step {step}"))
             if result is None:
                 skipped += 1
                 in_a_row += 1
@@ -287,13 +357,23 @@ def evaluate(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict:
     return report
 
 
-def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> dict:
-    side = build_target_side(cfg, device, dtype)
+def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype, settings: CompileSettings) -> dict:
+    side = build_target_side(cfg, device, dtype, settings)
     head = side.target.head()
     mask_id = resolve_mask_token_id(side.tokenizer, head.vocab_size, cfg.target.mask_token_id)
     steps = total_steps(cfg, len(side.dataset))
-    trainer = build_trainer(cfg, side.target.model.config, head, mask_id, steps, device, dtype)
+    trainer = build_trainer(cfg, side.target.model.config, head, mask_id, steps, device, dtype, settings)
     start = resume_step(cfg, trainer)
+
+    def warm() -> None:
+        if settings.target:
+            side.warm(cfg.train.micro_batch_size)
+        warm_drafter(cfg, trainer, dtype)
+
+    report = staggered_warmup(warm, 0, 1)
+    log_warmup(cfg, [{"rank": 0, "role": "colocated", **report}])
+    guard = CompileGuard(settings.strict)
+    guard.arm()
     per_step = side.schedule.micro_per_step
 
     def feed(step: int):
@@ -303,8 +383,8 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> 
         Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
     )
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics)
-    summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1)}
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard=guard)
+    summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"]}
     if step == steps:
         export_dir = finish_run(cfg, trainer, device)
         if cfg.eval.enabled and cfg.data.eval_path:
@@ -314,14 +394,33 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> 
     return summary
 
 
-def run_target_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype) -> dict:
+def warm_in_turn(cfg: DictConfig, topo: Topology, groups: Groups, settings: CompileSettings, warm: Callable[[], None]) -> None:
+    """This rank's turn in the staggered warmup; every rank passes every barrier, and
+    the metrics rank records what each rank compiled or loaded."""
+    first = topo.rank in (0, topo.num_targets)
+    index = topo.rank if topo.is_target else topo.rank - topo.num_targets
+    group = warmup_group(topo.rank, first, index, settings.warmup_groups)
+    report = staggered_warmup(warm, group, settings.warmup_groups, groups.everyone, cfg.topology.timeout_s)
+    report = {"rank": topo.rank, "role": "target" if topo.is_target else "drafter", **report}
+    reports = [None] * topo.world_size
+    dist.all_gather_object(reports, report, group=groups.everyone)
+    if topo.rank == topo.metrics_rank:
+        log_warmup(cfg, reports)
+
+
+def run_target_rank(
+    cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype, settings: CompileSettings
+) -> dict:
     """Produce this rank's micro-batches in schedule order and send each to its drafter,
     until the data ends or the drafters say training stopped."""
-    side = build_target_side(cfg, device, dtype)
+    side = build_target_side(cfg, device, dtype, settings)
     steps = total_steps(cfg, len(side.dataset))
     dist.broadcast_object_list([steps], src=0)
     start = [0]
     dist.broadcast_object_list(start, src=topo.metrics_rank)
+    warm_in_turn(cfg, topo, groups, settings, lambda: side.warm(cfg.train.micro_batch_size) if settings.target else None)
+    guard = CompileGuard(settings.strict)
+    guard.arm()
     stop = StopChannel(groups.control[topo.rank], topo.metrics_rank, sending=False)
     sender = BundleSender(groups.for_target(topo.rank), device, cfg.topology.max_in_flight)
     first, last = start[0] * topo.micro_per_step, steps * topo.micro_per_step
@@ -331,6 +430,7 @@ def run_target_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: tor
             if stop.stopped():
                 break
             batch, prefill = side.produce(m)
+            guard.check(f"target rank {topo.rank}, micro-batch {m}")
             sender.send(topo.consumer(m), m, batch, prefill)
     except BaseException:
         for drafter in topo.drafter_ranks:
@@ -348,7 +448,9 @@ def run_target_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: tor
     return summary
 
 
-def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype) -> dict:
+def run_drafter_rank(
+    cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype, settings: CompileSettings
+) -> dict:
     """Receive bundles in schedule order, train, reduce over the drafter group."""
     target_config = AutoConfig.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
     head = load_head(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
@@ -357,10 +459,13 @@ def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: to
     announced = [0]
     dist.broadcast_object_list(announced, src=0)
     steps = announced[0]
-    trainer = build_trainer(cfg, target_config, head, mask_id, steps, device, dtype)
+    trainer = build_trainer(cfg, target_config, head, mask_id, steps, device, dtype, settings)
     start = [resume_step(cfg, trainer, groups.drafters)]
     dist.broadcast_object_list(start, src=topo.metrics_rank)
     start = start[0]
+    warm_in_turn(cfg, topo, groups, settings, lambda: warm_drafter(cfg, trainer, dtype))
+    guard = CompileGuard(settings.strict)
+    guard.arm()
     expected = Expected(
         max_batch=cfg.train.micro_batch_size,
         num_anchors=cfg.train.num_anchors,
@@ -404,7 +509,7 @@ def run_drafter_rank(cfg: DictConfig, topo: Topology, groups: Groups, device: to
         Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
     )
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics, groups.drafters, pipeline)
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, groups.drafters, pipeline, guard)
     if is_metrics:
         for target in range(topo.num_targets):
             StopChannel(groups.control[target], target, sending=True).send(step)
@@ -430,23 +535,23 @@ def setup_logging(topo: Topology | None) -> None:
 
 
 def train(cfg: DictConfig) -> dict:
-    if cfg.compile.enabled:
-        raise ValueError("compile.enabled=true: CUDA-graph compilation of the drafter step is not in this version")
+    assert_main_thread()
     topo = build_topology(cfg)
     setup_logging(topo)
     device, dtype = pick_device()
+    settings = resolve_settings(cfg, device, len(length_buckets(cfg)))
     output_dir = Path(cfg.output_dir)
     if topo is None or topo.rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if topo is None:
-        return run_colocated(cfg, device, dtype)
+        return run_colocated(cfg, device, dtype, settings)
     groups = init_groups(topo, device, cfg.topology.timeout_s)
     try:
         if topo.is_target:
-            return run_target_rank(cfg, topo, groups, device, dtype)
+            return run_target_rank(cfg, topo, groups, device, dtype, settings)
         output_dir.mkdir(parents=True, exist_ok=True)
-        return run_drafter_rank(cfg, topo, groups, device, dtype)
+        return run_drafter_rank(cfg, topo, groups, device, dtype, settings)
     finally:
         dist.destroy_process_group()
 

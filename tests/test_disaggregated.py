@@ -1,5 +1,7 @@
 """Disaggregated training over gloo equals colocated training, step for step."""
 
+import json
+
 import pytest
 
 from runs import read_metrics, run_colocated, run_disaggregated
@@ -29,3 +31,18 @@ def test_losses_match_colocated(colocated, tmp_path, world, targets, loss):
     # fp32 on the CPU; only the order of the gradient and loss sums differs
     assert losses == pytest.approx(colocated[loss], rel=1e-5, abs=1e-6)
     assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+def test_compiled_staggered_run_matches_eager(colocated, tmp_path):
+    """Both roles compiled (aot_eager), strict guards, two warmup turns: same losses,
+    no recompile after warmup, and the second turn starts after the first ends."""
+    compiled = ["compile.enabled=true", "compile.backend=aot_eager", "compile.target=true", "compile.strict=true",
+                "compile.warmup_groups=2"]
+    run_disaggregated(tmp_path, 3, 1, KL + compiled)
+    metrics = read_metrics(tmp_path)
+    assert [m["loss"] for m in metrics] == pytest.approx(colocated["kl"], rel=1e-5, abs=1e-6)
+    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in metrics)
+    reports = json.loads((tmp_path / "warmup.json").read_text())
+    assert [(r["role"], r["group"]) for r in reports] == [("target", 0), ("drafter", 0), ("drafter", 1)]
+    assert all(r["graphs"] > 0 for r in reports)
+    assert reports[2]["began"] >= max(reports[0]["ended"], reports[1]["ended"])

@@ -20,7 +20,7 @@ def test_hooks_capture_hidden_states_at_id_plus_one():
     ids = torch.randint(0, 90, (2, 11))
     attn = torch.ones_like(ids)
     target = Target(model, [1, 3, 4])
-    feats = target.prefill(ids, attn).features
+    feats = target.prefill(ids).features
     hs = model(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
     expected = torch.cat([hs[i + 1] for i in (1, 3, 4)], dim=-1)
     torch.testing.assert_close(feats, expected)
@@ -31,9 +31,37 @@ def test_hooks_capture_hidden_states_at_id_plus_one():
 def test_prefill_topk_logits():
     model = tiny_target()
     ids = torch.randint(0, 90, (1, 7))
-    out = Target(model, [1]).prefill(ids, torch.ones_like(ids), topk=5)
+    out = Target(model, [1]).prefill(ids, topk=5)
     logits = model(input_ids=ids).logits
     torch.testing.assert_close(out.topk_values, logits.topk(5, dim=-1).values)
+
+
+def test_right_padding_needs_no_mask():
+    """Each row prefilled alone equals the padded batch on its real tokens."""
+    model = tiny_target()
+    target = Target(model, [1, 3])
+    ids = torch.randint(0, 90, (3, 16))
+    lengths = [16, 9, 4]
+    batch = target.prefill(ids).features
+    for r, n in enumerate(lengths):
+        alone = target.prefill(ids[r : r + 1, :n]).features[0]
+        torch.testing.assert_close(batch[r, :n], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_layers_equal_eager_with_one_graph_per_length():
+    from dflash.compile import CompileSettings, compile_counts
+
+    torch._dynamo.reset()
+    target = Target(tiny_target(), [1, 2, 3])
+    ids = torch.randint(0, 90, (2, 32))
+    eager = target.prefill(ids, topk=4)
+    target.compile(CompileSettings(drafter=True, target=True, backend="aot_eager", mode=None, strict=True, warmup_groups=1))
+    before = compile_counts()["graphs"]
+    compiled = target.prefill(ids, topk=4)
+    target.prefill(ids[:, :16])
+    assert compile_counts()["graphs"] - before == 2  # six layers, two lengths
+    torch.testing.assert_close(compiled.features, eager.features)
+    torch.testing.assert_close(compiled.topk_values, eager.topk_values)
 
 
 def test_layer_ids_out_of_range_are_rejected():

@@ -1,0 +1,98 @@
+"""The compiled drafter step (``aot_eager`` on the CPU: Dynamo and AOTAutograd, no codegen)
+equals the eager step, keeps one graph per length bucket, and accumulates correctly."""
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_head
+from dflash.compile import CompileGuard, CompileSettings, RecompileError, assert_main_thread, compile_counts, warmup_group
+from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
+from test_step import BS, batch, split
+
+AOT = CompileSettings(drafter=True, target=False, backend="aot_eager", mode=None, strict=True, warmup_groups=1)
+
+
+def make_trainer(drafter, settings: CompileSettings | None, kl: bool = False):
+    opt = build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
+    obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0, kl_weight=0.5 if kl else 0.0, chunk_size=16)
+    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1.0, autocast_dtype=None, compile_settings=settings)
+
+
+def with_topk(mb, pf, k=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (*mb.input_ids.shape, k)
+    pf.topk_values = torch.randn(shape, generator=g)
+    pf.topk_indices = torch.randint(0, 96, shape, generator=g)
+    return mb, pf
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_compiled_steps_equal_eager(kl):
+    torch._dynamo.reset()
+    base = tiny_drafter(block_size=BS)
+    eager, compiled = make_trainer(copy.deepcopy(base), None, kl), make_trainer(copy.deepcopy(base), AOT, kl)
+    for step in range(3):
+        mb, pf = with_topk(*batch(rows=[0, 1], lengths=[32, 20], seed=step))
+        results = []
+        for trainer in (eager, compiled):
+            trainer.micro_step(mb, pf)
+            results.append(trainer.finish())
+        assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
+        assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-4)
+    for a, b in zip(eager.drafter.parameters(), compiled.drafter.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_accumulation_under_compile_equals_one_micro_batch():
+    torch._dynamo.reset()
+    base = tiny_drafter(block_size=BS)
+    mb, pf = batch(rows=[0, 1, 2, 3], lengths=[32, 12, 30, 9])
+    one = make_trainer(copy.deepcopy(base), None)
+    one.micro_step(mb, pf)
+    m_one = one.finish()
+    two = make_trainer(copy.deepcopy(base), AOT)
+    for sl in (slice(0, 2), slice(2, 4)):
+        two.micro_step(*split(mb, pf, sl))
+    m_two = two.finish()
+    assert m_one["loss"] == pytest.approx(m_two["loss"], rel=1e-5)
+    for a, b in zip(one.drafter.parameters(), two.drafter.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_one_graph_per_bucket_and_strict_guard():
+    torch._dynamo.reset()
+    trainer = make_trainer(tiny_drafter(block_size=BS), AOT)
+    before = compile_counts()["graphs"]
+    trainer.warmup([batch(rows=[0, 1], lengths=[32, 30]), batch(rows=[0, 1], lengths=[16, 10], seq_len=16)], calls=2)
+    assert compile_counts()["graphs"] - before == 2  # one per bucket
+    assert not trainer.flat_grad.any(), "warmup must leave no gradient behind"
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    # Other real lengths, same buckets: no new graph.
+    for lengths, seq_len in (([20, 9], 32), ([12, 14], 16)):
+        trainer.micro_step(*batch(rows=[2, 3], lengths=lengths, seq_len=seq_len))
+        trainer.finish()
+        assert guard.check("step") == {"recompiles": 0, "cudagraph_skips": 0}
+    # A length outside the warmed buckets compiles again: strict turns that into an error.
+    trainer.micro_step(*batch(rows=[0, 1], lengths=[20, 20], seq_len=24))
+    with pytest.raises(RecompileError, match="1 graph"):
+        guard.check("step 3")
+
+
+def test_model_work_only_on_the_main_thread():
+    assert_main_thread()
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, assert_main_thread)))
+    worker.start()
+    worker.join()
+    assert errors and "main thread" in str(errors[0].value)
+
+
+def test_warmup_groups():
+    # first rank of each role compiles cold in group 0, the rest share the remaining groups
+    assert [warmup_group(r, r == 0, r, 3) for r in range(5)] == [0, 1, 2, 1, 2]
+    assert {warmup_group(r, r == 0, r, 1) for r in range(4)} == {0}
