@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch._inductor.config
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch._dynamo.utils import counters
@@ -70,6 +71,10 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
         raise ValueError(f"compile.warmup_groups={groups} must be >= 1 or auto")
     if c.cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(c.cache_dir)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local_ranks > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        # each rank would start one compile worker per core: share the cores instead
+        torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // local_ranks)
     # One graph per length bucket and role must fit Dynamo's cache, or it would
     # quietly fall back to eager after the limit.
     limit = max(torch._dynamo.config.recompile_limit, 4 * num_buckets)

@@ -143,15 +143,15 @@ class DrafterTrainer:
             prefill.features, batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep,
             prefill.topk_values, prefill.topk_indices,
         )
-        loss_sum.backward()
-        torch._foreach_add_(self.grad_views, [p.grad for p in self.params])
-        for p in self.params:
-            p.grad = None
-        s = self.stats
+        s = self.stats  # graph outputs: copied out before anything else runs
         s.loss_sum += loss_sum.detach()
         s.weight_sum += weight_sum
         s.correct += correct
         s.counted += counted
+        loss_sum.backward()
+        torch._foreach_add_(self.grad_views, [p.grad for p in self.params])
+        for p in self.params:
+            p.grad = None
 
     def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
         """Forward + backward of one micro-batch; gradients accumulate unnormalised."""

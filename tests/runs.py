@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
+
+from dflash.bench import free_port
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
@@ -41,12 +42,6 @@ def run_colocated(output_dir: Path, overrides: list[str]) -> dict:
     from dflash.train import train
 
     return train(compose_cfg(TINY + [f"output_dir={output_dir}"] + overrides))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str]) -> None:

@@ -1,0 +1,341 @@
+"""Throughput of both roles at real shapes, side by side in one run.
+
+    python -m dflash.bench [--steps N] [--out FILE] [key=value ...]
+    python -m dflash.bench target=qwen3_8b train=paper          # the Qwen3-8B bars
+    python -m dflash.bench --warmup-procs 4 target=qwen3_8b train=paper train.max_len=1024
+
+Weights are random (speed does not depend on them): the target comes from the
+``shape`` of its ``conf/target`` entry, or from the shipped model's config.json.
+Reported: the drafter step (one micro-batch forward/backward plus the optimizer)
+eager, compiled and compiled with CUDA graphs; the target prefill eager and
+compiled; the colocated pipeline; peak memory and warmup time of each. MFU uses
+the FLOP count of DESIGN section 5 (printed with the table) over
+``--peak-tflops``. ``--warmup-procs N`` instead times the compile warmup of N
+drafter processes on this machine, all at once against staggered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash.compile import CompileSettings, compile_counts, resolve_settings, staggered_warmup, warmup_group
+from dflash.data import AnchorSpec, random_batch
+from dflash.model import DrafterConfig, TargetHead
+from dflash.target import Target, random_prefill, resolve_path
+from dflash.train import build_trainer, pick_device, target_layer_ids, warm_drafter
+
+log = logging.getLogger("dflash.bench")
+
+MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead"}
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def target_config(cfg: DictConfig):
+    """The target's HF config: from ``target.shape`` when given, else its config.json."""
+    if cfg.target.get("shape"):
+        shape = OmegaConf.to_container(cfg.target.shape)
+        return AutoConfig.for_model(shape.pop("model_type"), **shape)
+    return AutoConfig.from_pretrained(resolve_path(cfg.target.path), local_files_only=True)
+
+
+def random_target(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int) -> float:
+    """Training FLOPs of one sequence, counted as in DESIGN section 5."""
+    h, kv = d.hidden_size, d.num_key_value_heads * d.head_dim
+    q = d.num_attention_heads * d.head_dim
+    layer_linear = h * q * 2 + h * kv * 2 + 3 * h * d.intermediate_size
+    tq = num_anchors * d.block_size
+    return (
+        6 * layer_linear * d.num_layers * tq
+        + 6 * (2 * h * kv) * d.num_layers * seq_len
+        + 6 * (len(d.target_layer_ids) * h * h) * seq_len
+        + 4 * h * vocab_size * tq
+        + 12 * q * ((seq_len - d.block_size) / 2 + d.block_size) * tq * d.num_layers
+    )
+
+
+def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool) -> float:
+    """Inference FLOPs of one sequence: 2 x params x tokens over the decoder layers (and
+    the LM head when it runs), plus causal attention."""
+    tc = model.config.get_text_config()
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    params = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
+    if with_head:
+        params += head.numel()
+    q = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
+    attention = tc.num_hidden_layers * 4 * q * seq_len * (seq_len + 1) / 2
+    return 2 * params * seq_len + attention
+
+
+def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
+    """Seconds per call, over ``steps`` calls after the caller's warmup."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / steps
+
+
+def reset_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
+
+
+def settings_for(cfg: DictConfig, mode: str | None, device: torch.device, target: bool = False) -> CompileSettings | None:
+    if mode is None:
+        return None
+    cuda_mode = mode if device.type == "cuda" else None
+    return CompileSettings(drafter=True, target=target, backend=cfg.compile.backend, mode=cuda_mode, strict=False, warmup_groups=1)
+
+
+class Bench:
+    def __init__(self, cfg: DictConfig, steps: int, peak_tflops: float):
+        self.cfg, self.steps, self.peak = cfg, steps, peak_tflops * 1e12
+        self.device, self.dtype = pick_device()
+        self.config = target_config(cfg)
+        self.model = random_target(self.config, self.device, self.dtype)
+        self.head = TargetHead(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight)
+        t = cfg.train
+        self.micro, self.seq_len, self.topk = t.micro_batch_size, t.max_len, cfg.loss.kl_topk
+        spec = AnchorSpec(t.num_anchors, cfg.drafter.block_size, t.seed)
+        self.batches = [random_batch(self.micro, self.seq_len, self.head.vocab_size, spec, seed=i) for i in range(2)]
+        self.layer_ids = target_layer_ids(cfg, self.config.get_text_config().num_hidden_layers)
+
+    def mfu(self, flops: float, seconds: float) -> float:
+        return round(100 * flops / seconds / self.peak, 1)
+
+    def drafter(self, name: str, mode: str | None) -> dict:
+        """One drafter step per call: a micro-batch forward/backward and the optimizer."""
+        torch._dynamo.reset()
+        reset_memory(self.device)
+        trainer = build_trainer(self.cfg, self.config, self.head, 0, 10**6, self.device, self.dtype, settings_for(self.cfg, mode, self.device))
+        feature_dim = trainer.drafter.fc.in_features
+        prefills = [
+            random_prefill(self.micro, self.seq_len, feature_dim, self.dtype, self.topk, self.head.vocab_size, self.device)
+            for _ in self.batches
+        ]
+        before = compile_counts()
+        warm = staggered_warmup(lambda: warm_drafter(self.cfg, trainer, self.dtype), 0, 1)
+        calls = iter(range(10**9))
+
+        def step() -> None:
+            i = next(calls) % len(self.batches)
+            trainer.micro_step(self.batches[i], prefills[i])
+            trainer.finish()
+
+        step()  # the optimizer's state is created on its first step
+        seconds = timed(step, self.steps, self.device)
+        flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.cfg.train.num_anchors, self.head.vocab_size)
+        after = compile_counts()
+        result = {
+            "role": "drafter",
+            "mode": name,
+            "step_ms": round(1e3 * seconds, 2),
+            "samples_per_s": round(self.micro / seconds, 2),
+            "mfu_pct": self.mfu(flops, seconds),
+            "tflop_per_step": round(flops / 1e12, 2),
+            "peak_gib": peak_gib(self.device),
+            "warmup_s": warm["wall_s"],
+            "graphs": after["graphs"] - before["graphs"],
+            "cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
+        }
+        self.trainer = trainer
+        return result
+
+    def prefill(self, name: str, compiled: bool) -> dict:
+        torch._dynamo.reset()
+        reset_memory(self.device)
+        target = Target(self.model, self.layer_ids)
+        if compiled:
+            target.compile(settings_for(self.cfg, "default", self.device, target=True))
+        ids = [b.input_ids.to(self.device) for b in self.batches]
+        start = time.perf_counter()
+        target.prefill(ids[0], self.topk)
+        warmup_s = time.perf_counter() - start
+        seconds = timed(lambda: target.prefill(ids[0], self.topk), self.steps, self.device)
+        flops = self.micro * prefill_flops(self.model, self.seq_len, with_head=bool(self.topk))
+        self.target = target
+        return {
+            "role": "target",
+            "mode": name,
+            "step_ms": round(1e3 * seconds, 2),
+            "tokens_per_s": round(self.micro * self.seq_len / seconds),
+            "mfu_pct": self.mfu(flops, seconds),
+            "tflop_per_step": round(flops / 1e12, 2),
+            "peak_gib": peak_gib(self.device),
+            "warmup_s": round(warmup_s, 2),
+        }
+
+    def colocated(self) -> dict:
+        """The last target and trainer in one process: prefill then drafter step."""
+        calls = iter(range(10**9))
+        reset_memory(self.device)
+
+        def step() -> None:
+            batch = self.batches[next(calls) % len(self.batches)]
+            self.trainer.micro_step(batch, self.target.prefill(batch.input_ids.to(self.device), self.topk))
+            self.trainer.finish()
+
+        step()
+        seconds = timed(step, self.steps, self.device)
+        return {
+            "role": "colocated",
+            "mode": "compiled" if self.trainer.compiled else "eager",
+            "step_ms": round(1e3 * seconds, 2),
+            "samples_per_s": round(self.micro / seconds, 2),
+            "peak_gib": peak_gib(self.device),
+        }
+
+
+def run_bench(cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str]) -> dict:
+    bench = Bench(cfg, steps, peak_tflops)
+    rows = [bench.prefill("eager", False)]
+    if any(MODES[m] for m in modes):
+        rows.append(bench.prefill("compile", True))
+    for name in modes:
+        rows.append(bench.drafter(name, MODES[name]))
+    rows.append(bench.colocated())
+    t = cfg.train
+    drafter = bench.trainer.drafter.config
+    return {
+        "target": cfg.target.name,
+        "device": torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "shapes": {
+            "micro_batch_size": t.micro_batch_size, "max_len": t.max_len, "num_anchors": t.num_anchors,
+            "block_size": drafter.block_size, "drafter_layers": drafter.num_layers,
+            "drafter_params": sum(p.numel() for p in bench.trainer.drafter.parameters()),
+            "kl_topk": cfg.loss.kl_topk, "dtype": str(bench.dtype).removeprefix("torch."),
+        },
+        "peak_tflops": peak_tflops,
+        "flop_count": "DESIGN section 5: drafter 6*params*tokens (+ context K/V, fc, LM head fwd+input-grad, attention); "
+        "target 2*params*tokens + causal attention",
+        "rows": rows,
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], groups: int, result_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    dist.init_process_group("gloo")
+    cfg = compose_config(overrides)
+    device, dtype = pick_device()
+    settings = resolve_settings(cfg, device, len(cfg.train.buckets or [cfg.train.max_len]))
+    config = target_config(cfg)
+    vocab, hidden = config.get_text_config().vocab_size, config.get_text_config().hidden_size
+    head = TargetHead(torch.randn(vocab, hidden, device=device, dtype=dtype), torch.randn(vocab, hidden, device=device, dtype=dtype))
+    trainer = build_trainer(cfg, config, head, 0, 10**6, device, dtype, settings)
+    group = warmup_group(rank, rank == 0, rank, groups)
+    report = staggered_warmup(lambda: warm_drafter(cfg, trainer, dtype), group, groups, dist.group.WORLD)
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **report}))
+    dist.destroy_process_group()
+
+
+def run_warmup(overrides: list[str], procs: int) -> dict:
+    """``procs`` drafter processes on this machine warm up all at once, then staggered
+    (the first compiles, the rest load from its cache), each from an empty inductor
+    cache. The span runs from the first rank starting to the last rank done."""
+    report = {"procs": procs, "overrides": overrides}
+    for name, groups in (("all_at_once", 1), ("staggered", 2)):
+        with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+            args = (procs, free_port(), overrides, groups, out)
+            mp.start_processes(_warmup_worker, args=args, nprocs=procs, join=True, start_method="spawn")
+            ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(procs)]
+        span = max(r["ended"] for r in ranks) - min(r["began"] for r in ranks)
+        report[name] = {"span_s": round(span, 2), "ranks": ranks}
+    return report
+
+
+def format_report(report: dict) -> str:
+    if "procs" in report:
+        lines = [f"compile warmup of {report['procs']} drafter processes"]
+        for name in ("all_at_once", "staggered"):
+            r = report[name]
+            lines.append(f"  {name}: {r['span_s']:.1f} s from first start to last done")
+            lines += [
+                f"    rank {x['rank']} group {x['group']}: {x['wall_s']:.1f} s, FX cache {x['fx_cache_hits']} hits / "
+                f"{x['fx_cache_misses']} misses, AOT cache {x['aot_cache_hits']} hits / {x['aot_cache_misses']} misses"
+                for x in r["ranks"]
+            ]
+        return "\n".join(lines)
+    s = report["shapes"]
+    head = (
+        f"{report['target']} on {report['device']} (torch {report['torch']}): micro-batch {s['micro_batch_size']}, "
+        f"max_len {s['max_len']}, {s['num_anchors']} anchors x block {s['block_size']}, "
+        f"{s['drafter_params'] / 1e9:.3f}B drafter params, {s['dtype']}\n"
+        f"MFU over {report['peak_tflops']:.0f} TFLOP/s; FLOPs per step: {report['flop_count']}"
+    )
+    cols = ("role", "mode", "step_ms", "samples_per_s", "tokens_per_s", "tflop_per_step", "mfu_pct", "peak_gib", "warmup_s")
+    table = [cols] + [tuple("" if r.get(c) is None else str(r[c]) for c in cols) for r in report["rows"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
+    lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    return head + "\n" + "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. target=qwen3_8b train=paper")
+    parser.add_argument("--steps", type=int, default=10, help="timed calls per row")
+    parser.add_argument("--modes", default="eager,compile,reduce-overhead", help="drafter modes, comma-separated")
+    parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200 measured: 790)")
+    parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
+    parser.add_argument("--out", default="bench.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    overrides = ["wandb.mode=disabled", *args.overrides]
+    if args.warmup_procs:
+        report = run_warmup(overrides, args.warmup_procs)
+    else:
+        cfg = compose_config(overrides)
+        cfg.train.buckets = [cfg.train.max_len]
+        report = run_bench(cfg, args.steps, args.peak_tflops, args.modes.split(","))
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(format_report(report))
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
