@@ -105,6 +105,20 @@ def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def profile_table(fn: Callable[[], None], device: torch.device, calls: int = 3) -> str:
+    """Where the time of ``fn`` goes: the torch profiler's top operators by device time."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+
+
 def reset_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -124,8 +138,9 @@ def settings_for(cfg: DictConfig, mode: str | None, device: torch.device, target
 
 
 class Bench:
-    def __init__(self, cfg: DictConfig, steps: int, peak_tflops: float):
-        self.cfg, self.steps, self.peak = cfg, steps, peak_tflops * 1e12
+    def __init__(self, cfg: DictConfig, steps: int, peak_tflops: float, profile: str | None = None):
+        self.cfg, self.steps, self.peak, self.profile = cfg, steps, peak_tflops * 1e12, profile
+        self.profile_table: str | None = None
         self.device, self.dtype = pick_device()
         self.config = target_config(cfg)
         self.model = random_target(self.config, self.device, self.dtype)
@@ -160,6 +175,8 @@ class Bench:
 
         step()  # the optimizer's state is created on its first step
         seconds = timed(step, self.steps, self.device)
+        if name == self.profile:
+            self.profile_table = profile_table(step, self.device)
         flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.cfg.train.num_anchors, self.head.vocab_size)
         after = compile_counts()
         result = {
@@ -222,14 +239,17 @@ class Bench:
         }
 
 
-def run_bench(cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str]) -> dict:
-    bench = Bench(cfg, steps, peak_tflops)
-    rows = [bench.prefill("eager", False)]
+def run_bench(cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str], profile: str | None = None) -> dict:
+    bench = Bench(cfg, steps, peak_tflops, profile)
+    runs = [lambda: bench.prefill("eager", False)]
     if any(MODES[m] for m in modes):
-        rows.append(bench.prefill("compile", True))
-    for name in modes:
-        rows.append(bench.drafter(name, MODES[name]))
-    rows.append(bench.colocated())
+        runs.append(lambda: bench.prefill("compile", True))
+    runs += [lambda name=name: bench.drafter(name, MODES[name]) for name in modes]
+    runs.append(bench.colocated)
+    rows = []
+    for run in runs:
+        rows.append(run())
+        log.info("%s", rows[-1])
     t = cfg.train
     drafter = bench.trainer.drafter.config
     return {
@@ -246,6 +266,7 @@ def run_bench(cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str])
         "flop_count": "DESIGN section 5: drafter 6*params*tokens (+ context K/V, fc, LM head fwd+input-grad, attention); "
         "target 2*params*tokens + causal attention",
         "rows": rows,
+        "profile": bench.profile_table,
     }
 
 
@@ -322,6 +343,7 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,compile,reduce-overhead", help="drafter modes, comma-separated")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200 measured: 790)")
     parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
+    parser.add_argument("--profile", choices=list(MODES), help="also profile the drafter step of this mode")
     parser.add_argument("--out", default="bench.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -331,9 +353,11 @@ def main() -> None:
     else:
         cfg = compose_config(overrides)
         cfg.train.buckets = [cfg.train.max_len]
-        report = run_bench(cfg, args.steps, args.peak_tflops, args.modes.split(","))
+        report = run_bench(cfg, args.steps, args.peak_tflops, args.modes.split(","), args.profile)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(format_report(report))
+    if report.get("profile"):
+        print(f"drafter step, {args.profile}, profiled over 3 steps:\n{report['profile']}")
     print(f"written to {args.out}")
 
 

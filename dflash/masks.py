@@ -12,6 +12,7 @@ SDPA on the CPU (flex_attention has no CPU backward), so the two cannot drift.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -41,6 +42,12 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
     return mask_mod(b, torch.zeros_like(b), q, kv)
 
 
+@functools.cache
+def compiled_create_block_mask():
+    """Eager ``create_block_mask`` evaluates the mask over the full grid; compiled, it does not."""
+    return torch.compile(create_block_mask)
+
+
 def build_mask(
     anchors: torch.Tensor, ctx_len: int, block_size: int, use_flex: bool
 ) -> BlockMask | torch.Tensor:
@@ -51,6 +58,6 @@ def build_mask(
     mod = dflash_mask_mod(anchors, ctx_len, block_size)
     if use_flex:
         # Inside a compiled step the mask is traced with the rest; outside, compile it alone.
-        compile_alone = not torch.compiler.is_compiling()
-        return create_block_mask(mod, batch, None, q_len, kv_len, device=anchors.device, _compile=compile_alone)
+        make = create_block_mask if torch.compiler.is_compiling() else compiled_create_block_mask()
+        return make(mod, batch, None, q_len, kv_len, device=anchors.device)
     return dense_mask(mod, batch, q_len, kv_len, anchors.device)

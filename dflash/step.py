@@ -160,10 +160,12 @@ class DrafterTrainer:
         self.stats.samples += batch.input_ids.shape[0]
         self.stats.tokens += batch.lengths.sum()
 
-    def warmup(self, batches: list[tuple[MicroBatch, PrefillOutput]], calls: int = 3) -> None:
-        """Compile and record every shape before data flows: CUDAGraph Trees warms a
-        graph up, records it, then replays, so each shape runs ``calls`` times. The
+    def warmup(self, batches: list[tuple[MicroBatch, PrefillOutput]]) -> None:
+        """Compile (and record) every shape before data flows. CUDAGraph Trees warms a
+        graph up, records it, then replays, so each shape runs three times; eager on
+        CUDA still compiles flex_attention and the mask once per shape. The
         gradients and statistics are thrown away; no weight changes."""
+        calls = 3 if self.cuda_graphs else 1
         for batch, prefill in batches:
             for _ in range(calls):
                 self._forward_backward(batch.to(self.device), prefill)
