@@ -108,6 +108,7 @@ def compile_counts() -> dict[str, int]:
         "fx_cache_misses": counters["inductor"]["fxgraph_cache_miss"],
         "aot_cache_hits": counters["aot_autograd"]["autograd_cache_hit"],
         "aot_cache_misses": counters["aot_autograd"]["autograd_cache_miss"],
+        "aot_cache_bypasses": counters["aot_autograd"]["autograd_cache_bypass"],
     }
 
 
