@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch._functorch.config
 import torch._inductor.config
 import torch.distributed as dist
 from omegaconf import DictConfig
@@ -75,6 +76,10 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
     if local_ranks > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         # each rank would start one compile worker per core: share the cores instead
         torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // local_ranks)
+    # The loss is a custom autograd.Function whose forward and backward are pure
+    # tensor code traced into the graph that keys the cache, so caching it is
+    # sound; without this, ranks that warm up later re-trace instead of loading.
+    torch._functorch.config.autograd_cache_allow_custom_autograd_functions = True
     # One graph per length bucket and role must fit Dynamo's cache, or it would
     # quietly fall back to eager after the limit.
     limit = max(torch._dynamo.config.recompile_limit, 4 * num_buckets)

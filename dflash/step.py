@@ -9,6 +9,7 @@ step and never per micro-batch.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +83,9 @@ class DrafterTrainer:
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.device = next(drafter.parameters()).device
         self.use_flex = self.device.type == "cuda"
-        self.autocast_dtype = autocast_dtype
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+        )
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         sizes = [p.numel() for p in self.params]
         self.flat_grad = torch.zeros(sum(sizes), device=self.device)
@@ -120,29 +123,29 @@ class DrafterTrainer:
             at = (blocks.label_positions - 1).clamp(min=0)[..., None]
             teacher_idx = topk_indices.gather(1, at.expand(-1, -1, topk_indices.shape[-1])).flatten(0, 1)
             teacher_logits = topk_values.gather(1, at.expand(-1, -1, topk_values.shape[-1])).flatten(0, 1)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.bfloat16, enabled=self.autocast_dtype is not None):
-            hidden = self.drafter(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask)
-            out = head_loss(
-                hidden.flatten(0, 1),
-                self.head.lm_head_weight,
-                blocks.labels.flatten(),
-                blocks.weights.flatten(),
-                teacher_idx,
-                teacher_logits,
-                obj.ce_weight,
-                obj.kl_weight,
-                obj.chunk_size,
-            )
+        hidden = self.drafter(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask)
+        out = head_loss(
+            hidden.flatten(0, 1),
+            self.head.lm_head_weight,
+            blocks.labels.flatten(),
+            blocks.weights.flatten(),
+            teacher_idx,
+            teacher_logits,
+            obj.ce_weight,
+            obj.kl_weight,
+            obj.chunk_size,
+        )
         correct, counted = slot_accuracy(out.predictions, blocks.labels, blocks.weights, obj.block_size)
         return out.loss_sum, blocks.weights.sum(), correct, counted
 
     def _forward_backward(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        loss_sum, weight_sum, correct, counted = self.forward_loss(
-            prefill.features, batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep,
-            prefill.topk_values, prefill.topk_indices,
-        )
+        with self.autocast:  # outside the compiled code: inside, it keeps the graph out of the AOT cache
+            loss_sum, weight_sum, correct, counted = self.forward_loss(
+                prefill.features, batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep,
+                prefill.topk_values, prefill.topk_indices,
+            )
         s = self.stats  # graph outputs: copied out before anything else runs
         s.loss_sum += loss_sum.detach()
         s.weight_sum += weight_sum

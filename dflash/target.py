@@ -124,6 +124,11 @@ class Target:
         for layer in decoder_layers(self.model):
             layer.forward = settings.compile(layer.forward, mode="default", fullgraph=False)
 
+    def uncompile(self) -> None:
+        """Back to the eager layers, for decoding: its shapes change every step."""
+        for layer in decoder_layers(self.model):
+            layer.__dict__.pop("forward", None)
+
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, topk: int = 0) -> PrefillOutput:
         """Features of a right-padded batch. No attention mask is passed: under the

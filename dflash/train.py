@@ -349,6 +349,7 @@ def evaluate(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict:
     """Speculative decoding with the exported drafter on held-out prompts."""
     from dflash.eval import evaluate_datasets, format_table
 
+    side.target.uncompile()
     report = evaluate_datasets(
         side.target.model, side.tokenizer, export_dir, side.target.head(), {"heldout": cfg.data.eval_path},
         cfg.eval.max_prompts, cfg.eval.max_new_tokens, Path(cfg.output_dir) / "eval.json", target_name=cfg.target.path,

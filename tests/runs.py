@@ -17,6 +17,7 @@ CONF = str(Path(__file__).resolve().parents[1] / "conf")
 # Small enough for 2 CPU cores, big enough to exercise accumulation and every path.
 TINY = [
     "wandb.mode=disabled",
+    "compile.strict=true",
     "eval.enabled=false",
     "train.max_steps=10",
     "train.batch_size=4",

@@ -15,11 +15,11 @@ from test_step import BS, batch, split
 AOT = CompileSettings(drafter=True, target=False, backend="aot_eager", mode=None, strict=True, warmup_groups=1)
 
 
-def make_trainer(drafter, settings: CompileSettings | None, kl: bool = False):
+def make_trainer(drafter, settings: CompileSettings | None, kl: bool = False, autocast: torch.dtype | None = None):
     opt = build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
     obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0, kl_weight=0.5 if kl else 0.0, chunk_size=16)
-    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1.0, autocast_dtype=None, compile_settings=settings)
+    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1.0, autocast_dtype=autocast, compile_settings=settings)
 
 
 def with_topk(mb, pf, k=5, seed=1):
@@ -45,6 +45,22 @@ def test_compiled_steps_equal_eager(kl):
         assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-4)
     for a, b in zip(eager.drafter.parameters(), compiled.drafter.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_autocast_around_the_compiled_step_applies_inside():
+    """Autocast is entered outside the compiled call (so the graph stays cacheable):
+    the compiled step must still run its matmuls in bf16, exactly as eager does."""
+    torch._dynamo.reset()
+    base = tiny_drafter(block_size=BS)
+    trainers = [make_trainer(copy.deepcopy(base), s, autocast=torch.bfloat16) for s in (None, AOT)]
+    fp32 = make_trainer(copy.deepcopy(base), None)
+    mb, pf = batch(rows=[0, 1], lengths=[32, 20])
+    losses = []
+    for trainer in (*trainers, fp32):
+        trainer.micro_step(mb, pf)
+        losses.append(trainer.finish()["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert abs(losses[0] - losses[2]) > 1e-5 * losses[0]  # fp32 differs: bf16 really was used
 
 
 def test_accumulation_under_compile_equals_one_micro_batch():

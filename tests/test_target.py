@@ -62,6 +62,9 @@ def test_compiled_layers_equal_eager_with_one_graph_per_length():
     assert compile_counts()["graphs"] - before == 2  # six layers, two lengths
     torch.testing.assert_close(compiled.features, eager.features)
     torch.testing.assert_close(compiled.topk_values, eager.topk_values)
+    target.uncompile()
+    target.prefill(ids[:, :8])
+    assert compile_counts()["graphs"] - before == 2  # decoding lengths run eager
 
 
 def test_layer_ids_out_of_range_are_rejected():
