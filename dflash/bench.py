@@ -30,13 +30,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig, AutoModelForCausalLM
+from omegaconf import DictConfig
 
 from dflash.compile import CompileSettings, compile_counts, resolve_settings, staggered_warmup, warmup_group
 from dflash.data import AnchorSpec, random_batch
 from dflash.model import DrafterConfig, TargetHead
-from dflash.target import Target, random_prefill, resolve_path
+from dflash.target import RANDOM, Target, random_prefill, random_target, target_config
 from dflash.train import build_trainer, pick_device, target_layer_ids, warm_drafter
 
 log = logging.getLogger("dflash.bench")
@@ -51,18 +50,10 @@ def compose_config(overrides: list[str]) -> DictConfig:
         return compose("config", overrides=overrides)
 
 
-def target_config(cfg: DictConfig):
-    """The target's HF config: from ``target.shape`` when given, else its config.json."""
-    if cfg.target.get("shape"):
-        shape = OmegaConf.to_container(cfg.target.shape)
-        return AutoConfig.for_model(shape.pop("model_type"), **shape)
-    return AutoConfig.from_pretrained(resolve_path(cfg.target.path), local_files_only=True)
-
-
-def random_target(config, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval().requires_grad_(False)
+def bench_target_config(cfg: DictConfig):
+    """Weights are random either way: the preset's ``shape``, or the shipped model's config.json."""
+    t = cfg.target
+    return target_config(RANDOM, t.shape) if t.get("shape") else target_config(t.path)
 
 
 def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int) -> float:
@@ -142,8 +133,8 @@ class Bench:
         self.cfg, self.steps, self.peak, self.profile = cfg, steps, peak_tflops * 1e12, profile
         self.profile_table: str | None = None
         self.device, self.dtype = pick_device()
-        self.config = target_config(cfg)
-        self.model = random_target(self.config, self.device, self.dtype)
+        self.config = bench_target_config(cfg)
+        self.model = random_target(self.config, self.device, self.dtype, cfg.train.seed)
         self.head = TargetHead(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight)
         t = cfg.train
         self.micro, self.seq_len, self.topk = t.micro_batch_size, t.max_len, cfg.loss.kl_topk
@@ -284,7 +275,7 @@ def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], group
     cfg = compose_config(overrides)
     device, dtype = pick_device()
     settings = resolve_settings(cfg, device, len(cfg.train.buckets or [cfg.train.max_len]))
-    config = target_config(cfg)
+    config = bench_target_config(cfg)
     vocab, hidden = config.get_text_config().vocab_size, config.get_text_config().hidden_size
     head = TargetHead(torch.randn(vocab, hidden, device=device, dtype=dtype), torch.randn(vocab, hidden, device=device, dtype=dtype))
     trainer = build_trainer(cfg, config, head, 0, 10**6, device, dtype, settings)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,8 +98,8 @@ def tokenize_conversation(
 
 @dataclass
 class Sample:
-    input_ids: list[int]
-    loss_mask: list[int]
+    input_ids: Sequence[int]
+    loss_mask: Sequence[int]
     source: str
 
 
@@ -111,15 +112,29 @@ class Dataset:
         return len(self.samples)
 
 
+def synthetic_dataset(num_samples: int, length: int, vocab_size: int, prompt_fraction: float, seed: int) -> Dataset:
+    """Random token sequences of ``length`` tokens, the first ``prompt_fraction`` of each
+    without loss: real shapes for throughput runs, with no tokenizer and no files."""
+    rng = np.random.default_rng([seed, 7])
+    prompt = int(length * prompt_fraction)
+    mask = np.r_[np.zeros(prompt, np.int64), np.ones(length - prompt, np.int64)]
+    samples = [
+        Sample(rng.integers(0, vocab_size, length), mask, f"synthetic:{i}") for i in range(num_samples)
+    ]
+    return Dataset(samples)
+
+
 def load_dataset(
     path: str,
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: PreTrainedTokenizerBase | None,
     max_len: int,
     min_loss_tokens: int,
     strict: bool,
     max_samples: int | None = None,
 ) -> Dataset:
     """Read, check and tokenise every conversation; skip (and count) what cannot train."""
+    if tokenizer is None:
+        raise ValueError("this target has no tokenizer (target.path=random): train it on data=synthetic")
     samples: list[Sample] = []
     skipped: Counter = Counter()
     problems: list[str] = []
@@ -235,8 +250,8 @@ def collate(
     anchors, keep = [], []
     for r, (i, row) in enumerate(zip(indices, rows)):
         n = len(row.input_ids)
-        ids[r, :n] = torch.tensor(row.input_ids)
-        mask[r, :n] = torch.tensor(row.loss_mask)
+        ids[r, :n] = torch.as_tensor(row.input_ids)
+        mask[r, :n] = torch.as_tensor(row.loss_mask)
         a, k = sample_anchors(mask[r, :n], spec.num_anchors, spec.block_size, sample_generator(spec.seed, epoch, int(i)))
         anchors.append(a)
         keep.append(k)

@@ -10,18 +10,22 @@ serving engines' ``target_layer_ids``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash.compile import CompileSettings
 from dflash.model import TargetHead
 
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
+
+
+RANDOM = "random"
 
 
 def resolve_path(path: str) -> Path:
@@ -46,8 +50,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase, vocab_size: int, configured: int | None) -> int:
+def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, configured: int | None) -> int:
     """The mask id must be a row of the target embedding, or the drafter sees garbage."""
+    if configured is None and tokenizer is None:
+        raise ValueError(f"a target without a tokenizer needs target.mask_token_id (0 <= id < {vocab_size})")
     if configured is None:
         for tok in MASK_TOKEN_CANDIDATES:
             tid = tokenizer.convert_tokens_to_ids(tok)
@@ -154,13 +160,63 @@ def _param_name(model: nn.Module, param: torch.Tensor) -> str:
     return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)
 
 
-def load_head(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> TargetHead:
+def target_config(path: str, shape: Mapping | None = None, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The target's HF config: its config.json, or for ``target.path=random`` the
+    preset's ``target.shape``."""
+    if path != RANDOM:
+        return AutoConfig.from_pretrained(resolve_path(path), trust_remote_code=trust_remote_code, local_files_only=True)
+    if not shape:
+        raise ValueError(
+            "target.path=random builds the target from target.shape; use a preset that has one "
+            "(target=qwen3_8b|qwen3_4b|llama3_1_8b)"
+        )
+    shape = dict(shape)
+    return AutoConfig.for_model(shape.pop("model_type"), **shape)
+
+
+def random_head_weights(config: PretrainedConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding and LM head of a random target, drawn on the CPU from ``seed`` so
+    that target ranks and drafter ranks hold the very same matrices."""
+    tc = config.get_text_config()
+    g = torch.Generator().manual_seed(seed)
+    std = getattr(tc, "initializer_range", 0.02)
+    embed = torch.randn(tc.vocab_size, tc.hidden_size, generator=g) * std
+    head = embed if tc.tie_word_embeddings else torch.randn(tc.vocab_size, tc.hidden_size, generator=g) * std
+    return embed, head
+
+
+def random_target(config: PretrainedConfig, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
+    """A target with random weights at real shapes, for throughput runs (no download).
+    The layers are drawn on ``device`` from ``seed``, identical on every rank of one
+    device type; the embedding and LM head come from :func:`random_head_weights`."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    embed, head = random_head_weights(config, seed)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(embed)
+        model.get_output_embeddings().weight.copy_(head)
+    return model.eval().requires_grad_(False)
+
+
+def load_head(
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    shape: Mapping | None = None,
+    seed: int = 0,
+) -> TargetHead:
     """Only the embedding and LM head of the target, read straight from its safetensors.
 
     Drafter ranks need these two matrices, not the whole target; the parameter
     names come from the model class built on the meta device, so any HF causal
     LM layout works, tied embeddings included.
     """
+    if path == RANDOM:
+        embed, head = random_head_weights(target_config(path, shape), seed)
+        on_device = embed.to(device=device, dtype=dtype)
+        return TargetHead(on_device, on_device if head is embed else head.to(device=device, dtype=dtype))
     local = resolve_path(path)
     config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
     with torch.device("meta"):
@@ -188,10 +244,25 @@ def load_head(path: str, device: torch.device, dtype: torch.dtype, trust_remote_
     return TargetHead(embed, head)
 
 
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
+    """The target's tokenizer; a random target has none."""
+    if path == RANDOM:
+        return None
+    return AutoTokenizer.from_pretrained(resolve_path(path), trust_remote_code=trust_remote_code, local_files_only=True)
+
+
 def load_target(
-    path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False
-) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    """Load a local HF model and its tokenizer; nothing is downloaded."""
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool = False,
+    shape: Mapping | None = None,
+    seed: int = 0,
+) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    """Load a local HF model and its tokenizer; nothing is downloaded.
+    ``path=random`` builds one with random weights from ``shape`` instead."""
+    if path == RANDOM:
+        return random_target(target_config(path, shape), device, dtype, seed), None
     local = resolve_path(path)
     config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
@@ -202,5 +273,4 @@ def load_target(
         local_files_only=True,
         attn_implementation="sdpa",
     ).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
-    return model.eval().requires_grad_(False), tokenizer
+    return model.eval().requires_grad_(False), load_tokenizer(path, trust_remote_code)

@@ -27,7 +27,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from dflash.anchors import default_gamma
 from dflash.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
@@ -39,7 +39,7 @@ from dflash.compile import (
     staggered_warmup,
     warmup_group,
 )
-from dflash.data import AnchorSpec, Dataset, MicroBatch, Schedule, collate, load_dataset, random_batch
+from dflash.data import AnchorSpec, Dataset, MicroBatch, Schedule, collate, load_dataset, random_batch, synthetic_dataset
 from dflash.export import save_export
 from dflash.metrics import MetricsLogger
 from dflash.model import DFlashDrafter, DrafterConfig, TargetHead, default_target_layer_ids
@@ -49,9 +49,10 @@ from dflash.target import (
     Target,
     load_head,
     load_target,
+    load_tokenizer,
     random_prefill,
     resolve_mask_token_id,
-    resolve_path,
+    target_config,
 )
 from dflash.topology import Groups, Topology, auto_target_ranks, init_groups
 from dflash.transport import FLAG_ABORT, FLAG_END, BundleReceiver, BundleSender, Expected, StopChannel
@@ -86,7 +87,7 @@ def build_topology(cfg: DictConfig) -> Topology | None:
 
 def auto_split(cfg: DictConfig, world: int) -> int:
     """Target ranks from the FLOPs of both sides, counted on meta-device models."""
-    config = AutoConfig.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
+    config = target_config_of(cfg)
     layer_ids = target_layer_ids(cfg, config.get_text_config().num_hidden_layers)
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.target.trust_remote_code)
@@ -97,6 +98,11 @@ def auto_split(cfg: DictConfig, world: int) -> int:
     split = auto_target_ranks(world, target_params, drafter_params, cfg.train.num_anchors, cfg.train.max_len)
     log.info("topology.target_ranks=auto: %d target and %d drafter ranks", split, world - split)
     return split
+
+
+def target_config_of(cfg: DictConfig):
+    t = cfg.target
+    return target_config(t.path, t.get("shape"), t.trust_remote_code)
 
 
 def length_buckets(cfg: DictConfig) -> list[int]:
@@ -136,7 +142,7 @@ class TargetSide:
     """What a target rank holds: the frozen target and the data it turns into bundles."""
 
     target: Target
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None
     dataset: Dataset
     schedule: Schedule
     anchors: AnchorSpec
@@ -164,14 +170,19 @@ def build_target_side(
     cfg: DictConfig, device: torch.device, dtype: torch.dtype, compile_settings: CompileSettings
 ) -> TargetSide:
     t = cfg.train
-    model, tokenizer = load_target(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
+    tc = cfg.target
+    model, tokenizer = load_target(tc.path, device, dtype, tc.trust_remote_code, tc.get("shape"), t.seed)
     layer_ids = target_layer_ids(cfg, model.config.get_text_config().num_hidden_layers)
     target = Target(model, layer_ids)
     if compile_settings.target:
         target.compile(compile_settings)
-    dataset = load_dataset(cfg.data.path, tokenizer, t.max_len, cfg.data.min_loss_tokens, cfg.data.strict, cfg.data.max_samples)
+    if cfg.data.path == "synthetic":
+        vocab = model.config.get_text_config().vocab_size
+        dataset = synthetic_dataset(cfg.data.num_samples, t.max_len, vocab, cfg.data.prompt_fraction, t.seed)
+    else:
+        dataset = load_dataset(cfg.data.path, tokenizer, t.max_len, cfg.data.min_loss_tokens, cfg.data.strict, cfg.data.max_samples)
     log.info("%d conversations, %d skipped %s", len(dataset), sum(dataset.skipped.values()), dict(dataset.skipped))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return TargetSide(
         target=target,
         tokenizer=tokenizer,
@@ -453,14 +464,14 @@ def run_drafter_rank(
     cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype, settings: CompileSettings
 ) -> dict:
     """Receive bundles in schedule order, train, reduce over the drafter group."""
-    target_config = AutoConfig.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
-    head = load_head(cfg.target.path, device, dtype, cfg.target.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_path(cfg.target.path), trust_remote_code=cfg.target.trust_remote_code)
-    mask_id = resolve_mask_token_id(tokenizer, head.vocab_size, cfg.target.mask_token_id)
+    tc = cfg.target
+    config = target_config_of(cfg)
+    head = load_head(tc.path, device, dtype, tc.trust_remote_code, tc.get("shape"), cfg.train.seed)
+    mask_id = resolve_mask_token_id(load_tokenizer(tc.path, tc.trust_remote_code), head.vocab_size, tc.mask_token_id)
     announced = [0]
     dist.broadcast_object_list(announced, src=0)
     steps = announced[0]
-    trainer = build_trainer(cfg, target_config, head, mask_id, steps, device, dtype, settings)
+    trainer = build_trainer(cfg, config, head, mask_id, steps, device, dtype, settings)
     start = [resume_step(cfg, trainer, groups.drafters)]
     dist.broadcast_object_list(start, src=topo.metrics_rank)
     start = start[0]

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dflash.bench import compose_config, drafter_flops, format_report, run_bench, run_warmup, target_config
+from dflash.bench import bench_target_config, compose_config, drafter_flops, format_report, run_bench, run_warmup
 from dflash.model import DFlashDrafter
 from dflash.train import drafter_config, target_layer_ids
 
@@ -15,7 +15,7 @@ TINY = ["wandb.mode=disabled", "train.micro_batch_size=2", "train.num_anchors=4"
 
 def test_flop_count_of_the_design_reference():
     cfg = compose_config(["target=qwen3_8b", "train=paper"])
-    config = target_config(cfg)
+    config = bench_target_config(cfg)
     drafter = drafter_config(config, cfg, target_layer_ids(cfg, 36), 151669)
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(drafter).parameters())

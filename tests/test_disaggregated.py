@@ -46,3 +46,21 @@ def test_compiled_staggered_run_matches_eager(colocated, tmp_path):
     assert [(r["role"], r["group"]) for r in reports] == [("target", 0), ("drafter", 0), ("drafter", 1)]
     assert all(r["graphs"] > 0 for r in reports)
     assert reports[2]["began"] >= max(reports[0]["ended"], reports[1]["ended"])
+
+
+RANDOM_TARGET = [
+    "target=qwen3_8b", "target.path=random", "target.mask_token_id=255", "data=synthetic", "data.num_samples=64",
+    "target.shape.hidden_size=64", "target.shape.intermediate_size=128", "target.shape.num_hidden_layers=8",
+    "target.shape.num_attention_heads=4", "target.shape.num_key_value_heads=2", "target.shape.head_dim=16",
+    "target.shape.vocab_size=256", "train.max_len=64", "train.buckets=[64]",
+]
+
+
+def test_random_target_on_synthetic_data(tmp_path):
+    """The throughput setup (random weights at a preset's shape, random tokens): two
+    target ranks build the same target and the drafter ranks the same head."""
+    run_colocated(tmp_path / "colocated", RANDOM_TARGET)
+    run_disaggregated(tmp_path / "split", 3, 2, RANDOM_TARGET)
+    expected = [m["loss"] for m in read_metrics(tmp_path / "colocated")]
+    assert len(expected) == 10
+    assert [m["loss"] for m in read_metrics(tmp_path / "split")] == pytest.approx(expected, rel=1e-5, abs=1e-6)
