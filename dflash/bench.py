@@ -2,7 +2,8 @@
 
     python -m dflash.bench [--steps N] [--out FILE] [key=value ...]
     python -m dflash.bench target=qwen3_8b train=paper          # the Qwen3-8B bars
-    python -m dflash.bench --warmup-procs 4 target=qwen3_8b train=paper train.max_len=1024
+    python -m dflash.bench --warmup-procs 4 compile.enabled=true train.buckets=[320]
+    python -m dflash.bench --p2p target=qwen3_8b train=paper    # two GPUs: bundle bandwidth
 
 Weights are random (speed does not depend on them): the target comes from the
 ``shape`` of its ``conf/target`` entry, or from the shipped model's config.json.
@@ -11,7 +12,9 @@ eager, compiled and compiled with CUDA graphs; the target prefill eager and
 compiled; the colocated pipeline; peak memory and warmup time of each. MFU uses
 the FLOP count of DESIGN section 5 (printed with the table) over
 ``--peak-tflops``. ``--warmup-procs N`` instead times the compile warmup of N
-drafter processes on this machine, all at once against staggered.
+drafter processes on this machine, all at once against staggered; ``--p2p``
+sends bundles of the configured shapes between two local ranks (NCCL on two
+GPUs, gloo on the CPU) against a raw send of the same bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from omegaconf import DictConfig
 
 from dflash.compile import CompileSettings, compile_counts, resolve_settings, staggered_warmup, warmup_group
 from dflash.data import AnchorSpec, random_batch
+from dflash.transport import BundleReceiver, BundleSender, Expected
 from dflash.model import DrafterConfig, TargetHead
 from dflash.target import RANDOM, Target, random_prefill, random_target, target_config
 from dflash.train import build_trainer, pick_device, target_layer_ids, warm_drafter
@@ -301,7 +305,80 @@ def run_warmup(overrides: list[str], procs: int) -> dict:
     return report
 
 
+def _p2p_worker(rank: int, port: int, overrides: list[str], rounds: int, result_dir: str) -> None:
+    """Rank 0 sends ``rounds`` bundles of the configured shapes to rank 1 through the
+    trainer's transport, then one raw buffer of the same size, the link's reference."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cfg = compose_config(overrides)
+    device, dtype = pick_device()
+    if device.type == "cuda":
+        if torch.cuda.device_count() < 2:
+            raise RuntimeError("--p2p on CUDA needs two GPUs (NCCL cannot put two ranks on one GPU)")
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    group = dist.new_group([0, 1])
+    config = bench_target_config(cfg)
+    t, tc = cfg.train, config.get_text_config()
+    feature_dim = len(target_layer_ids(cfg, tc.num_hidden_layers)) * tc.hidden_size
+    spec = AnchorSpec(t.num_anchors, cfg.drafter.block_size, t.seed)
+    batch = random_batch(t.micro_batch_size, t.max_len, tc.vocab_size, spec)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    result = {}
+    if rank == 0:
+        prefill = random_prefill(t.micro_batch_size, t.max_len, feature_dim, dtype, cfg.loss.kl_topk, tc.vocab_size, device)
+        sender = BundleSender({1: group}, device, cfg.topology.max_in_flight)
+        for m in range(rounds + 1):
+            sender.send(1, m, batch, prefill)
+        sender.drain()
+    else:
+        expected = Expected(t.micro_batch_size, t.num_anchors, feature_dim, dtype, cfg.loss.kl_topk, [t.max_len])
+        receiver = BundleReceiver({0: group}, device, expected)
+        receiver.receive(0, 0)  # first contact sets up the communicator
+        sync()
+        start, first_bytes = time.perf_counter(), receiver.bytes_received
+        for m in range(1, rounds + 1):
+            receiver.receive(0, m)
+        sync()
+        seconds = time.perf_counter() - start
+        per_bundle = (receiver.bytes_received - first_bytes) / rounds
+        result.update(bundle_mb=round(per_bundle / 1e6, 2), bundle_ms=round(1e3 * seconds / rounds, 3),
+                      bundle_gb_per_s=round(per_bundle * rounds / seconds / 1e9, 2))
+    size = int(result.get("bundle_mb", 0) * 1e6) or 1
+    sizes = torch.tensor([size], device=device)
+    dist.broadcast(sizes, src=1, group=group)
+    raw = torch.empty(int(sizes.item()), dtype=torch.uint8, device=device)
+    op = dist.isend if rank == 0 else dist.irecv
+    for w in dist.batch_isend_irecv([dist.P2POp(op, raw, 1 - rank, group=group)]):  # warm
+        w.wait()
+    sync()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for w in dist.batch_isend_irecv([dist.P2POp(op, raw, 1 - rank, group=group)]):
+            w.wait()
+    sync()
+    if rank == 1:
+        result["raw_gb_per_s"] = round(raw.numel() * rounds / (time.perf_counter() - start) / 1e9, 2)
+        result["fraction_of_raw"] = round(result["bundle_gb_per_s"] / result["raw_gb_per_s"], 3)
+        result["backend"] = dist.get_backend()
+        Path(result_dir, "p2p.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def run_p2p(overrides: list[str], rounds: int) -> dict:
+    """Bundle bandwidth between two local ranks against a raw send of the same bytes."""
+    with tempfile.TemporaryDirectory() as out:
+        mp.start_processes(_p2p_worker, args=(free_port(), overrides, rounds, out), nprocs=2, join=True, start_method="spawn")
+        return {"p2p": json.loads(Path(out, "p2p.json").read_text()), "overrides": overrides}
+
+
 def format_report(report: dict) -> str:
+    if "p2p" in report:
+        r = report["p2p"]
+        return (
+            f"bundle of {r['bundle_mb']} MB over {r['backend']}: {r['bundle_ms']} ms, {r['bundle_gb_per_s']} GB/s; "
+            f"a raw send of the same bytes: {r['raw_gb_per_s']} GB/s ({100 * r['fraction_of_raw']:.0f}% of it)"
+        )
     if "procs" in report:
         lines = [f"compile warmup of {report['procs']} drafter processes"]
         for name in ("all_at_once", "staggered"):
@@ -334,12 +411,15 @@ def main() -> None:
     parser.add_argument("--modes", default="eager,compile,reduce-overhead", help="drafter modes, comma-separated")
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200 measured: 790)")
     parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
+    parser.add_argument("--p2p", action="store_true", help="measure bundle bandwidth between two local ranks instead")
     parser.add_argument("--profile", choices=list(MODES), help="also profile the drafter step of this mode")
     parser.add_argument("--out", default="bench.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = ["wandb.mode=disabled", *args.overrides]
-    if args.warmup_procs:
+    if args.p2p:
+        report = run_p2p(overrides, args.steps)
+    elif args.warmup_procs:
         report = run_warmup(overrides, args.warmup_procs)
     else:
         cfg = compose_config(overrides)

@@ -5,7 +5,15 @@ import json
 import pytest
 import torch
 
-from dflash.bench import bench_target_config, compose_config, drafter_flops, format_report, run_bench, run_warmup
+from dflash.bench import (
+    bench_target_config,
+    compose_config,
+    drafter_flops,
+    format_report,
+    run_bench,
+    run_p2p,
+    run_warmup,
+)
 from dflash.model import DFlashDrafter
 from dflash.train import drafter_config, target_layer_ids
 
@@ -43,3 +51,11 @@ def test_warmup_bench_staggers_two_processes():
     assert staggered[1]["began"] >= staggered[0]["ended"]
     assert all(r["graphs"] == 1 for r in at_once + staggered)
     assert "staggered" in format_report(report)
+
+
+def test_p2p_bench_sends_bundles_between_two_ranks():
+    report = run_p2p(TINY, rounds=2)["p2p"]
+    # 2 sequences x 64 tokens x (5 layers x 128) fp32 features alone are 0.33 MB
+    assert report["backend"] == "gloo" and report["bundle_mb"] > 0.32
+    assert report["bundle_gb_per_s"] > 0 and report["raw_gb_per_s"] > 0
+    assert "GB/s" in format_report({"p2p": report})
