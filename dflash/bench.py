@@ -40,7 +40,7 @@ from dflash.data import AnchorSpec, random_batch
 from dflash.transport import BundleReceiver, BundleSender, Expected
 from dflash.model import DrafterConfig, TargetHead
 from dflash.target import RANDOM, Target, random_prefill, random_target, target_config
-from dflash.train import build_trainer, pick_device, target_layer_ids, warm_drafter
+from dflash.train import build_trainer, peak_memory_gib, pick_device, target_layer_ids, warm_drafter
 
 log = logging.getLogger("dflash.bench")
 
@@ -121,10 +121,6 @@ def reset_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_gib(device: torch.device) -> float | None:
-    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None
-
-
 def settings_for(cfg: DictConfig, mode: str | None, device: torch.device, target: bool = False) -> CompileSettings | None:
     if mode is None:
         return None
@@ -181,7 +177,7 @@ class Bench:
             "samples_per_s": round(self.micro / seconds, 2),
             "mfu_pct": self.mfu(flops, seconds),
             "tflop_per_step": round(flops / 1e12, 2),
-            "peak_gib": peak_gib(self.device),
+            "peak_gib": peak_memory_gib(self.device),
             "warmup_s": warm["wall_s"],
             "graphs": after["graphs"] - before["graphs"],
             "cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
@@ -209,7 +205,7 @@ class Bench:
             "tokens_per_s": round(self.micro * self.seq_len / seconds),
             "mfu_pct": self.mfu(flops, seconds),
             "tflop_per_step": round(flops / 1e12, 2),
-            "peak_gib": peak_gib(self.device),
+            "peak_gib": peak_memory_gib(self.device),
             "warmup_s": round(warmup_s, 2),
         }
 
@@ -230,7 +226,7 @@ class Bench:
             "mode": "compiled" if self.trainer.compiled else "eager",
             "step_ms": round(1e3 * seconds, 2),
             "samples_per_s": round(self.micro / seconds, 2),
-            "peak_gib": peak_gib(self.device),
+            "peak_gib": peak_memory_gib(self.device),
         }
 
 

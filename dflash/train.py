@@ -396,7 +396,10 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype, set
     )
     started = time.perf_counter()
     step = run_steps(cfg, trainer, feed, start, steps, metrics, guard=guard)
-    summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"]}
+    summary = {
+        "steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"],
+        "peak_gib": peak_memory_gib(device),
+    }
     if step == steps:
         export_dir = finish_run(cfg, trainer, device)
         if cfg.eval.enabled and cfg.data.eval_path:
@@ -454,6 +457,7 @@ def run_target_rank(
     final_step = stop.wait()
     dist.barrier()  # the export is written
     summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
+    record_ranks(cfg, topo, groups, summary, device)
     if topo.rank == 0 and final_step == steps and cfg.eval.enabled and cfg.data.eval_path:
         report = evaluate(cfg, side, Path(cfg.output_dir) / "export")
         summary.update(eval_tau=report["tau"], lossless=report["lossless"])
@@ -529,12 +533,29 @@ def run_drafter_rank(
         unused = receiver.drain(target)
         if step == steps and unused:
             raise RuntimeError(f"rank {topo.rank}: target {target} sent {unused} bundles past the last step")
-    summary = {"steps": step, "train_s": round(time.perf_counter() - started, 1)}
+    summary = {
+        "role": "drafter", "steps": step, "train_s": round(time.perf_counter() - started, 1),
+        "receive_wait_s": round(receiver.wait_s, 2), "bytes_received": receiver.bytes_received,
+    }
     if is_metrics and step == steps:
         finish_run(cfg, trainer, device)
     dist.barrier()
+    record_ranks(cfg, topo, groups, summary, device)
     metrics.close(summary)
     return summary
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def record_ranks(cfg: DictConfig, topo: Topology, groups: Groups, summary: dict, device: torch.device) -> None:
+    """``ranks.json``: every rank's end-of-run summary and peak GPU memory, side by side."""
+    summary.update(rank=topo.rank, peak_gib=peak_memory_gib(device))
+    summaries = [None] * topo.world_size
+    dist.all_gather_object(summaries, summary, group=groups.everyone)
+    if topo.rank == topo.metrics_rank:
+        (Path(cfg.output_dir) / "ranks.json").write_text(json.dumps(summaries, indent=1))
 
 
 def setup_logging(topo: Topology | None) -> None:

@@ -64,3 +64,6 @@ def test_random_target_on_synthetic_data(tmp_path):
     expected = [m["loss"] for m in read_metrics(tmp_path / "colocated")]
     assert len(expected) == 10
     assert [m["loss"] for m in read_metrics(tmp_path / "split")] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    ranks = json.loads((tmp_path / "split" / "ranks.json").read_text())
+    assert [(r["rank"], r["role"], r["steps"]) for r in ranks] == [(0, "target", 10), (1, "target", 10), (2, "drafter", 10)]
+    assert ranks[2]["bytes_received"] > 0 and all(r["bytes_sent"] > 0 for r in ranks[:2])
