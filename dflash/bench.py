@@ -35,7 +35,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from omegaconf import DictConfig
 
-from dflash.compile import CompileSettings, compile_counts, resolve_settings, staggered_warmup, warmup_group
+from dflash.compile import (
+    CompileSettings,
+    compile_counts,
+    resolve_settings,
+    share_compile_threads,
+    staggered_warmup,
+    warmup_group,
+)
 from dflash.data import AnchorSpec, random_batch
 from dflash.transport import BundleReceiver, BundleSender, Expected
 from dflash.model import DrafterConfig, TargetHead
@@ -269,7 +276,7 @@ def free_port() -> int:
 
 def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], groups: int, result_dir: str) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     dist.init_process_group("gloo")
     cfg = compose_config(overrides)
@@ -280,6 +287,7 @@ def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], group
     head = TargetHead(torch.randn(vocab, hidden, device=device, dtype=dtype), torch.randn(vocab, hidden, device=device, dtype=dtype))
     trainer = build_trainer(cfg, config, head, 0, 10**6, device, dtype, settings)
     group = warmup_group(rank, rank == 0, rank, groups)
+    share_compile_threads(sum(warmup_group(r, r == 0, r, groups) == group for r in range(world)))
     report = staggered_warmup(lambda: warm_drafter(cfg, trainer, dtype), group, groups, dist.group.WORLD)
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **report}))
     dist.destroy_process_group()

@@ -72,10 +72,6 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
         raise ValueError(f"compile.warmup_groups={groups} must be >= 1 or auto")
     if c.cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(c.cache_dir)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    if local_ranks > 1 and "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        # each rank would start one compile worker per core: share the cores instead
-        torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // local_ranks)
     # The loss is a custom autograd.Function whose forward and backward are pure
     # tensor code traced into the graph that keys the cache, so caching it is
     # sound; without this, ranks that warm up later re-trace instead of loading.
@@ -159,6 +155,14 @@ def warmup_group(rank: int, first_of_role: bool, index_in_role: int, groups: int
     if groups == 1 or first_of_role:
         return 0
     return 1 + (index_in_role - 1) % (groups - 1)
+
+
+def share_compile_threads(ranks_compiling: int) -> None:
+    """Each rank would start one compile worker per core of the node: split the cores
+    between the ranks of this node that compile in the same turn, so a rank that
+    compiles alone gets them all. ``TORCHINDUCTOR_COMPILE_THREADS`` overrides."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // max(1, ranks_compiling))
 
 
 def staggered_warmup(

@@ -36,6 +36,7 @@ from dflash.compile import (
     CompileSettings,
     assert_main_thread,
     resolve_settings,
+    share_compile_threads,
     staggered_warmup,
     warmup_group,
 )
@@ -412,9 +413,15 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype, set
 def warm_in_turn(cfg: DictConfig, topo: Topology, groups: Groups, settings: CompileSettings, warm: Callable[[], None]) -> None:
     """This rank's turn in the staggered warmup; every rank passes every barrier, and
     the metrics rank records what each rank compiled or loaded."""
-    first = topo.rank in (0, topo.num_targets)
-    index = topo.rank if topo.is_target else topo.rank - topo.num_targets
-    group = warmup_group(topo.rank, first, index, settings.warmup_groups)
+
+    def turn(rank: int) -> int:
+        index = rank if rank < topo.num_targets else rank - topo.num_targets
+        return warmup_group(rank, index == 0, index, settings.warmup_groups)
+
+    group = turn(topo.rank)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    node = range(topo.rank - topo.rank % per_node, topo.rank - topo.rank % per_node + per_node)
+    share_compile_threads(sum(turn(r) == group for r in node))
     report = staggered_warmup(warm, group, settings.warmup_groups, groups.everyone, cfg.topology.timeout_s)
     report = {"rank": topo.rank, "role": "target" if topo.is_target else "drafter", **report}
     reports = [None] * topo.world_size

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_head
-from dflash.compile import CompileGuard, CompileSettings, RecompileError, assert_main_thread, compile_counts, warmup_group
+from dflash.compile import (
+    CompileGuard,
+    CompileSettings,
+    RecompileError,
+    assert_main_thread,
+    compile_counts,
+    share_compile_threads,
+    warmup_group,
+)
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
 from test_step import BS, batch, split
 
@@ -112,3 +120,17 @@ def test_warmup_groups():
     # first rank of each role compiles cold in group 0, the rest share the remaining groups
     assert [warmup_group(r, r == 0, r, 3) for r in range(5)] == [0, 1, 2, 1, 2]
     assert {warmup_group(r, r == 0, r, 1) for r in range(4)} == {0}
+
+
+def test_compile_threads_are_shared_by_the_ranks_of_a_turn(monkeypatch):
+    import os
+
+    import torch._inductor.config as inductor
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(inductor, "compile_threads", inductor.compile_threads)
+    share_compile_threads(4)
+    assert inductor.compile_threads == 4
+    share_compile_threads(1)  # compiling alone: every core
+    assert inductor.compile_threads == 16
