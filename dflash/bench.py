@@ -44,10 +44,10 @@ from dflash.compile import (
     warmup_group,
 )
 from dflash.data import AnchorSpec, random_batch
-from dflash.transport import BundleReceiver, BundleSender, Expected
 from dflash.model import DrafterConfig, TargetHead
 from dflash.target import RANDOM, Target, random_prefill, random_target, target_config
 from dflash.train import build_trainer, peak_memory_gib, pick_device, target_layer_ids, warm_drafter
+from dflash.transport import BundleReceiver, BundleSender, Expected
 
 log = logging.getLogger("dflash.bench")
 
@@ -147,7 +147,7 @@ class Bench:
         self.micro, self.seq_len, self.topk = t.micro_batch_size, t.max_len, cfg.loss.kl_topk
         spec = AnchorSpec(t.num_anchors, cfg.drafter.block_size, t.seed)
         self.batches = [random_batch(self.micro, self.seq_len, self.head.vocab_size, spec, seed=i) for i in range(2)]
-        self.layer_ids = target_layer_ids(cfg, self.config.get_text_config().num_hidden_layers)
+        self.target = Target(self.model, target_layer_ids(cfg, self.config.get_text_config().num_hidden_layers))
 
     def mfu(self, flops: float, seconds: float) -> float:
         return round(100 * flops / seconds / self.peak, 1)
@@ -195,16 +195,17 @@ class Bench:
     def prefill(self, name: str, compiled: bool) -> dict:
         torch._dynamo.reset()
         reset_memory(self.device)
-        target = Target(self.model, self.layer_ids)
+        target = self.target
         if compiled:
             target.compile(settings_for(self.cfg, "default", self.device, target=True))
-        ids = [b.input_ids.to(self.device) for b in self.batches]
+        else:
+            target.uncompile()
+        ids = self.batches[0].input_ids.to(self.device)
         start = time.perf_counter()
-        target.prefill(ids[0], self.topk)
+        target.prefill(ids, self.topk)
         warmup_s = time.perf_counter() - start
-        seconds = timed(lambda: target.prefill(ids[0], self.topk), self.steps, self.device)
+        seconds = timed(lambda: target.prefill(ids, self.topk), self.steps, self.device)
         flops = self.micro * prefill_flops(self.model, self.seq_len, with_head=bool(self.topk))
-        self.target = target
         return {
             "role": "target",
             "mode": name,

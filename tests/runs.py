@@ -8,11 +8,9 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
 
+from dflash.bench import compose_config as compose_cfg
 from dflash.bench import free_port
-
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
 
 # Small enough for 2 CPU cores, big enough to exercise accumulation and every path.
 TINY = [
@@ -28,11 +26,6 @@ TINY = [
     "drafter.block_size=8",
     "data.max_samples=64",
 ]
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:
