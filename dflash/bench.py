@@ -289,7 +289,7 @@ def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], group
     trainer = build_trainer(cfg, config, head, 0, 10**6, device, dtype, settings)
     group = warmup_group(rank, rank == 0, rank, groups)
     share_compile_threads(sum(warmup_group(r, r == 0, r, groups) == group for r in range(world)))
-    report = staggered_warmup(lambda: warm_drafter(cfg, trainer, dtype), group, groups, dist.group.WORLD)
+    report = staggered_warmup(lambda: warm_drafter(cfg, trainer, dtype), group, groups, lambda _: dist.barrier())
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **report}))
     dist.destroy_process_group()
 

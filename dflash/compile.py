@@ -17,7 +17,6 @@ as ``cuda:0``, see ``launch.sh``) and the cache directory.
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import threading
@@ -28,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch._functorch.config
 import torch._inductor.config
-import torch.distributed as dist
 from omegaconf import DictConfig
 from torch._dynamo.utils import counters
 
@@ -166,27 +164,23 @@ def share_compile_threads(ranks_compiling: int) -> None:
 
 
 def staggered_warmup(
-    warm: Callable[[], None], group_index: int, groups: int, barrier_group=None, timeout_s: float = 1800
+    warm: Callable[[], None], turn: int, turns: int, barrier: Callable[[int], None] | None = None
 ) -> dict:
-    """Run ``warm`` in turn ``group_index`` of ``groups``; every rank passes every barrier.
-
-    ``barrier_group`` is a gloo group over all ranks (``monitored_barrier`` names a
-    rank that never arrives); ``None`` runs ``warm`` straight away (one process).
-    Returns this rank's wall time and its compile-cache hits and misses.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
+    """Run ``warm`` in ``turn`` of ``turns``; every rank calls ``barrier(t)`` after each turn
+    ``t`` (``None``: one process, no barrier). Returns this rank's wall time and its
+    compile-cache hits and misses."""
     before = compile_counts()
     began = ended = time.time()
-    for turn in range(groups):
-        if turn == group_index:
+    for current in range(turns):
+        if current == turn:
             began = time.time()
             warm()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             ended = time.time()
-        if barrier_group is not None:
-            dist.monitored_barrier(group=barrier_group, timeout=timeout, wait_all_ranks=True)
+        if barrier is not None:
+            barrier(current)
     after = compile_counts()
     report = {k: after[k] - before[k] for k in after}
-    report.update(group=group_index, wall_s=round(ended - began, 2), began=began, ended=ended)
+    report.update(group=turn, wall_s=round(ended - began, 2), began=began, ended=ended)
     return report

@@ -11,11 +11,7 @@ always waits on a smaller ``m`` than the one it holds, so no cycle of waits
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
 
 
 class TopologyError(ValueError):
@@ -95,43 +91,3 @@ def auto_target_ranks(world_size: int, target_params: float, drafter_params: flo
     drafter_flops = 6 * drafter_params * anchors * 16
     share = target_flops / (target_flops + drafter_flops)
     return min(world_size - 1, max(1, round(world_size * share)))
-
-
-@dataclass
-class Groups:
-    """One group per (target, drafter) pair for bundles, the drafter group for
-    gradients, a gloo group per target with the metrics rank for control, and a
-    gloo group of all ranks for warmup barriers (no GPU work while waiting)."""
-
-    pairs: dict[tuple[int, int], dist.ProcessGroup]
-    drafters: dist.ProcessGroup
-    control: dict[int, dist.ProcessGroup]
-    everyone: dist.ProcessGroup
-
-    def for_target(self, target: int) -> dict[int, dist.ProcessGroup]:
-        """Peer drafter rank -> pair group, as a target rank sees them."""
-        return {d: g for (t, d), g in self.pairs.items() if t == target}
-
-    def for_drafter(self, drafter: int) -> dict[int, dist.ProcessGroup]:
-        return {t: g for (t, d), g in self.pairs.items() if d == drafter}
-
-
-def init_groups(topo: Topology, device: torch.device, timeout_s: float) -> Groups:
-    """Initialise torch.distributed and create every group on every rank, in one order.
-
-    NCCL on CUDA (eager init through ``device_id``), gloo on the CPU.
-    """
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
-    else:
-        dist.init_process_group("gloo", timeout=timeout)
-    pairs = {
-        (t, d): dist.new_group([t, d], timeout=timeout)
-        for t in range(topo.num_targets)
-        for d in topo.drafter_ranks
-    }
-    drafters = dist.new_group(topo.drafter_ranks, timeout=timeout)
-    control = {t: dist.new_group([t, topo.metrics_rank], timeout=timeout, backend="gloo") for t in range(topo.num_targets)}
-    everyone = dist.new_group(timeout=timeout, backend="gloo")
-    return Groups(pairs, drafters, control, everyone)

@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,9 @@ from dflash.target import (
     resolve_mask_token_id,
     target_config,
 )
-from dflash.topology import Groups, Topology, auto_target_ranks, init_groups
-from dflash.transport import FLAG_ABORT, FLAG_END, BundleReceiver, BundleSender, Expected, StopChannel
+from dflash.protocol import Protocol, Timeouts
+from dflash.topology import Topology, auto_target_ranks
+from dflash.transport import FLAG_ABORT, FLAG_END, BundleReceiver, BundleSender, Expected, PipelineCounters
 
 log = logging.getLogger("dflash.train")
 
@@ -301,13 +303,19 @@ def run_steps(
     start: int,
     steps: int,
     metrics: MetricsLogger,
-    group=None,
+    guard: CompileGuard,
+    proto: Protocol | None = None,
     pipeline: Callable[[], dict] | None = None,
-    guard: CompileGuard | None = None,
 ) -> int:
-    """The optimizer-step loop shared by the colocated and drafter roles. Returns the
-    last completed step."""
+    """The optimizer-step loop shared by the colocated and drafter roles; ``proto`` is
+    None in one process. Returns the last completed step."""
     t, ckpt_root = cfg.train, Path(cfg.output_dir) / "checkpoints"
+    group = proto.drafters if proto else None
+    others = [r for r in proto.topo.drafter_ranks if r != proto.rank] if proto else []
+
+    def bounded(what: str):
+        return proto.phase(what, proto.timeouts.step_s, others) if proto else nullcontext()
+
     stop = StopRequested()
     in_a_row, skipped = 0, 0
     step = start
@@ -315,11 +323,12 @@ def run_steps(
         while step < steps:
             for batch, prefill in feed(step):
                 trainer.micro_step(batch, prefill)
-            result = trainer.finish(group)
+            with bounded(f"reducing the gradients of step {step + 1}"):
+                result = trainer.finish(group)
+                extra = pipeline() if pipeline else {}
+                stopping = agree(stop.requested, trainer.device, group)
             step += 1
-            extra = pipeline() if pipeline else {}
-            if guard is not None:
-                extra.update(guard.check(f"step {step}"))
+            extra.update(guard.check(f"step {step}"))
             if result is None:
                 skipped += 1
                 in_a_row += 1
@@ -331,9 +340,9 @@ def run_steps(
                 metrics.count(result)
                 if step % t.log_every == 0 or step == steps:
                     metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
-            stopping = agree(stop.requested, trainer.device, group)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stopping:
-                save_checkpoint(ckpt_root, step, trainer.drafter, trainer.optimizer, trainer.scheduler, cfg.checkpoint.keep, group)
+                with bounded(f"saving the checkpoint of step {step}"):
+                    save_checkpoint(ckpt_root, step, trainer.drafter, trainer.optimizer, trainer.scheduler, cfg.checkpoint.keep, group)
             if stopping:
                 log.warning("stopped at step %d; run again with resume=auto to continue", step)
                 break
@@ -396,7 +405,7 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype, set
         Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
     )
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard=guard)
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard)
     summary = {
         "steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"],
         "peak_gib": peak_memory_gib(device),
@@ -410,61 +419,58 @@ def run_colocated(cfg: DictConfig, device: torch.device, dtype: torch.dtype, set
     return summary
 
 
-def warm_in_turn(cfg: DictConfig, topo: Topology, groups: Groups, settings: CompileSettings, warm: Callable[[], None]) -> None:
-    """This rank's turn in the staggered warmup; every rank passes every barrier, and
-    the metrics rank records what each rank compiled or loaded."""
+def warm_in_turn(cfg: DictConfig, topo: Topology, proto: Protocol, settings: CompileSettings, warm: Callable[[], None]) -> None:
+    """This rank's turn in the staggered warmup; the metrics rank records what each rank
+    compiled or loaded."""
 
     def turn(rank: int) -> int:
         index = rank if rank < topo.num_targets else rank - topo.num_targets
         return warmup_group(rank, index == 0, index, settings.warmup_groups)
 
-    group = turn(topo.rank)
+    mine = turn(topo.rank)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     node = range(topo.rank - topo.rank % per_node, topo.rank - topo.rank % per_node + per_node)
-    share_compile_threads(sum(turn(r) == group for r in node))
-    report = staggered_warmup(warm, group, settings.warmup_groups, groups.everyone, cfg.topology.timeout_s)
-    report = {"rank": topo.rank, "role": "target" if topo.is_target else "drafter", **report}
-    reports = [None] * topo.world_size
-    dist.all_gather_object(reports, report, group=groups.everyone)
+    share_compile_threads(sum(turn(r) == mine for r in node))
+    reports = proto.warmup(warm, mine, settings.warmup_groups)
     if topo.rank == topo.metrics_rank:
         log_warmup(cfg, reports)
 
 
 def run_target_rank(
-    cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype, settings: CompileSettings
+    cfg: DictConfig, topo: Topology, proto: Protocol, device: torch.device, dtype: torch.dtype, settings: CompileSettings
 ) -> dict:
     """Produce this rank's micro-batches in schedule order and send each to its drafter,
     until the data ends or the drafters say training stopped."""
     side = build_target_side(cfg, device, dtype, settings)
-    steps = total_steps(cfg, len(side.dataset))
-    dist.broadcast_object_list([steps], src=0)
-    start = [0]
-    dist.broadcast_object_list(start, src=topo.metrics_rank)
-    warm_in_turn(cfg, topo, groups, settings, lambda: side.warm(cfg.train.micro_batch_size) if settings.target else None)
+    steps = proto.agree_steps(total_steps(cfg, len(side.dataset)))
+    start = proto.agree_start(None)
+    warm_in_turn(cfg, topo, proto, settings, lambda: side.warm(cfg.train.micro_batch_size) if settings.target else None)
     guard = CompileGuard(settings.strict)
     guard.arm()
-    stop = StopChannel(groups.control[topo.rank], topo.metrics_rank, sending=False)
-    sender = BundleSender(groups.for_target(topo.rank), device, cfg.topology.max_in_flight)
-    first, last = start[0] * topo.micro_per_step, steps * topo.micro_per_step
+    sender = BundleSender(proto.pairs_of_target(), device, cfg.topology.max_in_flight)
+    first, last = start * topo.micro_per_step, steps * topo.micro_per_step
     signal.signal(signal.SIGTERM, lambda *_: log.warning("SIGTERM: producing until the drafters have checkpointed"))
     try:
         for m in topo.produced_by(topo.rank, first, last):
-            if stop.stopped():
+            if proto.stopped():
                 break
-            batch, prefill = side.produce(m)
-            guard.check(f"target rank {topo.rank}, micro-batch {m}")
-            sender.send(topo.consumer(m), m, batch, prefill)
+            drafter = topo.consumer(m)
+            with proto.phase(f"producing micro-batch {m} for drafter {drafter}", proto.timeouts.step_s, [drafter]):
+                batch, prefill = side.produce(m)
+                guard.check(f"target rank {topo.rank}, micro-batch {m}")
+                sender.send(drafter, m, batch, prefill)
     except BaseException:
         for drafter in topo.drafter_ranks:
             sender.send_flag(drafter, -1, FLAG_ABORT)
         raise
     for drafter in topo.drafter_ranks:
         sender.send_flag(drafter, last, FLAG_END)
-    sender.drain()
-    final_step = stop.wait()
-    dist.barrier()  # the export is written
+    with proto.phase("delivering the last bundles", proto.timeouts.step_s, topo.drafter_ranks):
+        sender.drain()
+    final_step = proto.final_step()
+    proto.export_written()
     summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
-    record_ranks(cfg, topo, groups, summary, device)
+    record_ranks(cfg, proto, summary, device)
     if topo.rank == 0 and final_step == steps and cfg.eval.enabled and cfg.data.eval_path:
         report = evaluate(cfg, side, Path(cfg.output_dir) / "export")
         summary.update(eval_tau=report["tau"], lossless=report["lossless"])
@@ -472,21 +478,20 @@ def run_target_rank(
 
 
 def run_drafter_rank(
-    cfg: DictConfig, topo: Topology, groups: Groups, device: torch.device, dtype: torch.dtype, settings: CompileSettings
+    cfg: DictConfig, topo: Topology, proto: Protocol, device: torch.device, dtype: torch.dtype, settings: CompileSettings
 ) -> dict:
     """Receive bundles in schedule order, train, reduce over the drafter group."""
     tc = cfg.target
     config = target_config_of(cfg)
     head = load_head(tc.path, device, dtype, tc.trust_remote_code, tc.get("shape"), cfg.train.seed)
     mask_id = resolve_mask_token_id(load_tokenizer(tc.path, tc.trust_remote_code), head.vocab_size, tc.mask_token_id)
-    announced = [0]
-    dist.broadcast_object_list(announced, src=0)
-    steps = announced[0]
+    steps = proto.agree_steps(None)
     trainer = build_trainer(cfg, config, head, mask_id, steps, device, dtype, settings)
-    start = [resume_step(cfg, trainer, groups.drafters)]
-    dist.broadcast_object_list(start, src=topo.metrics_rank)
-    start = start[0]
-    warm_in_turn(cfg, topo, groups, settings, lambda: warm_drafter(cfg, trainer, dtype))
+    others = [r for r in topo.drafter_ranks if r != topo.rank]
+    with proto.phase("reading the checkpoint to resume from", proto.timeouts.warmup_s, others):
+        resumed = resume_step(cfg, trainer, proto.drafters)
+    start = proto.agree_start(resumed)
+    warm_in_turn(cfg, topo, proto, settings, lambda: warm_drafter(cfg, trainer, dtype))
     guard = CompileGuard(settings.strict)
     guard.arm()
     expected = Expected(
@@ -497,47 +502,28 @@ def run_drafter_rank(
         topk=cfg.loss.kl_topk,
         buckets=length_buckets(cfg),
     )
-    receiver = BundleReceiver(groups.for_drafter(topo.rank), device, expected)
+    receiver = BundleReceiver(proto.pairs_of_drafter(), device, expected)
     per_step = topo.micro_per_step
 
     def feed(step: int):
         for m in topo.consumed_by(topo.rank, step * per_step, (step + 1) * per_step):
-            _, batch, prefill = receiver.receive(topo.producer(m), m)
+            producer = topo.producer(m)
+            with proto.phase(f"receiving micro-batch {m}", proto.timeouts.step_s, [producer]):
+                _, batch, prefill = receiver.receive(producer, m)
             yield batch, prefill
-
-    last_totals = torch.zeros(3, dtype=torch.float64)
-
-    def pipeline() -> dict:
-        """Per-step pipeline figures: drafter time blocked on receives (mean over
-        drafters), target time blocked on sends (mean over targets), bytes moved."""
-        target_wait = torch.zeros(topo.num_targets, dtype=torch.float64)
-        for peer, us in receiver.target_send_wait_us.items():
-            target_wait[peer] = us / 1e6
-        totals = torch.tensor([receiver.wait_s, receiver.bytes_received, 0.0], dtype=torch.float64)
-        pair = torch.cat([totals, target_wait]).to(device)
-        dist.all_reduce(pair[:3], group=groups.drafters)
-        dist.all_reduce(pair[3:], op=dist.ReduceOp.MAX, group=groups.drafters)
-        pair = pair.cpu()
-        pair[2] = pair[3:].sum()
-        delta = pair[:3] - last_totals
-        last_totals.copy_(pair[:3])
-        return {
-            "drafter_wait_s": float(delta[0]) / topo.num_drafters,
-            "target_wait_s": float(delta[2]) / topo.num_targets,
-            "bytes_per_step": int(delta[1]),
-        }
 
     is_metrics = topo.rank == topo.metrics_rank
     metrics = MetricsLogger(
         Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
     )
+    counters = PipelineCounters(receiver, topo.num_targets, proto.drafters, device)
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics, groups.drafters, pipeline, guard)
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, proto, counters.step)
     if is_metrics:
-        for target in range(topo.num_targets):
-            StopChannel(groups.control[target], target, sending=True).send(step)
+        proto.announce_stop(step)
     for target in range(topo.num_targets):
-        unused = receiver.drain(target)
+        with proto.phase(f"receiving the end of data from target {target}", proto.timeouts.step_s, [target]):
+            unused = receiver.drain(target)
         if step == steps and unused:
             raise RuntimeError(f"rank {topo.rank}: target {target} sent {unused} bundles past the last step")
     summary = {
@@ -546,8 +532,8 @@ def run_drafter_rank(
     }
     if is_metrics and step == steps:
         finish_run(cfg, trainer, device)
-    dist.barrier()
-    record_ranks(cfg, topo, groups, summary, device)
+    proto.export_written()
+    record_ranks(cfg, proto, summary, device)
     metrics.close(summary)
     return summary
 
@@ -556,12 +542,11 @@ def peak_memory_gib(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
 
 
-def record_ranks(cfg: DictConfig, topo: Topology, groups: Groups, summary: dict, device: torch.device) -> None:
+def record_ranks(cfg: DictConfig, proto: Protocol, summary: dict, device: torch.device) -> None:
     """``ranks.json``: every rank's end-of-run summary and peak GPU memory, side by side."""
-    summary.update(rank=topo.rank, peak_gib=peak_memory_gib(device))
-    summaries = [None] * topo.world_size
-    dist.all_gather_object(summaries, summary, group=groups.everyone)
-    if topo.rank == topo.metrics_rank:
+    summary.update(rank=proto.rank, peak_gib=peak_memory_gib(device))
+    summaries = proto.summaries(summary)
+    if proto.rank == proto.topo.metrics_rank:
         (Path(cfg.output_dir) / "ranks.json").write_text(json.dumps(summaries, indent=1))
 
 
@@ -586,14 +571,24 @@ def train(cfg: DictConfig) -> dict:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if topo is None:
         return run_colocated(cfg, device, dtype, settings)
-    groups = init_groups(topo, device, cfg.topology.timeout_s)
+    proto = Protocol(topo, device, timeouts(cfg))
+    proto.start()
     try:
         if topo.is_target:
-            return run_target_rank(cfg, topo, groups, device, dtype, settings)
-        output_dir.mkdir(parents=True, exist_ok=True)
-        return run_drafter_rank(cfg, topo, groups, device, dtype, settings)
-    finally:
+            summary = run_target_rank(cfg, topo, proto, device, dtype, settings)
+        else:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            summary = run_drafter_rank(cfg, topo, proto, device, dtype, settings)
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    proto.close()
+    return summary
+
+
+def timeouts(cfg: DictConfig) -> Timeouts:
+    t = cfg.topology
+    return Timeouts(init_s=float(t.init_timeout_s), warmup_s=float(t.warmup_timeout_s), step_s=float(t.timeout_s))
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

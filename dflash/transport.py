@@ -8,8 +8,8 @@ them against what it expects (a mismatch is a clear error, never a hang on a
 wrongly sized receive), then receives into buffers of exactly those shapes.
 End of data and abort travel as header flags.
 
-Each (target, drafter) pair has its own process group, created by every rank in
-the same order, so messages of one pair never match those of another. Within a
+Each (target, drafter) pair has its own process group (see ``dflash.protocol``),
+so messages of one pair never match those of another. Within a
 bundle each tensor has its own tag (its index), so a receive can only match
 the tensor it was sized for (gloo honours tags; NCCL orders by issue). gloo (CPU)
 sends CPU tensors; NCCL (GPU) sends device tensors; dtypes without an NCCL
@@ -94,6 +94,16 @@ def bundle_tensors(batch: MicroBatch, prefill: PrefillOutput, device: torch.devi
     return [_wire(t.to(device)) for t in tensors]
 
 
+def _complete(works: list) -> None:
+    """Block the host until ``works`` are done. On NCCL ``wait()`` only orders the
+    current stream behind the transfer and returns at once, which would neither bound
+    the bundles in flight nor measure the time a target is blocked on its drafters."""
+    for w in works:
+        w.wait()
+    while not all(w.is_completed() for w in works):
+        time.sleep(50e-6)
+
+
 class BundleSender:
     """Non-blocking sends from one target rank, at most ``max_in_flight`` bundles outstanding."""
 
@@ -107,8 +117,7 @@ class BundleSender:
         while bounded and len(self.in_flight) >= self.max_in_flight:
             start = time.perf_counter()
             works, _ = self.in_flight.pop(0)
-            for w in works:
-                w.wait()
+            _complete(works)
             self.wait_s += time.perf_counter() - start
         ops = [dist.P2POp(dist.isend, t, peer, group=self.groups[peer], tag=tag) for tag, t in enumerate(tensors)]
         self.in_flight.append((dist.batch_isend_irecv(ops), tensors))
@@ -131,8 +140,7 @@ class BundleSender:
 
     def drain(self) -> None:
         for works, _ in self.in_flight:
-            for w in works:
-                w.wait()
+            _complete(works)
         self.in_flight.clear()
 
 
@@ -223,28 +231,30 @@ class BundleReceiver:
         return h, batch, prefill
 
 
-class StopChannel:
-    """Drafters tell targets when training has stopped, early (SIGTERM) or not.
+class PipelineCounters:
+    """Per-step pipeline figures on the drafter ranks: drafter time blocked on receives
+    (mean over drafters), target time blocked on sends (mean over targets, read from
+    the headers), bytes moved. Reduced over the drafter group once per step."""
 
-    Targets cannot learn it from the bundles, which flow one way. Each target
-    posts a receive at start on a gloo group shared with the metrics rank and
-    polls it before producing each micro-batch; the metrics rank always sends
-    the final step, so no receive is left dangling. gloo keeps this off the NCCL
-    streams, where a pending receive would block the bundles behind it.
-    """
+    def __init__(self, receiver: BundleReceiver, num_targets: int, group: dist.ProcessGroup, device: torch.device):
+        self.receiver, self.num_targets, self.group, self.device = receiver, num_targets, group, device
+        self.num_drafters = dist.get_world_size(group)
+        self.last = torch.zeros(3, dtype=torch.float64)
 
-    def __init__(self, group: dist.ProcessGroup, peer: int, sending: bool):
-        self.group, self.peer = group, peer
-        self.buf = torch.zeros(1, dtype=torch.int64)
-        self.work = None if sending else dist.irecv(self.buf, src=peer, group=group)
-
-    def stopped(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self) -> int:
-        self.work.wait()
-        return int(self.buf)
-
-    def send(self, step: int) -> None:
-        self.buf.fill_(step)
-        dist.send(self.buf, dst=self.peer, group=self.group)
+    def step(self) -> dict:
+        target_wait = torch.zeros(self.num_targets, dtype=torch.float64)
+        for peer, us in self.receiver.target_send_wait_us.items():
+            target_wait[peer] = us / 1e6
+        totals = torch.tensor([self.receiver.wait_s, self.receiver.bytes_received, 0.0], dtype=torch.float64)
+        both = torch.cat([totals, target_wait]).to(self.device)
+        dist.all_reduce(both[:3], group=self.group)
+        dist.all_reduce(both[3:], op=dist.ReduceOp.MAX, group=self.group)
+        both = both.cpu()
+        both[2] = both[3:].sum()
+        delta = both[:3] - self.last
+        self.last.copy_(both[:3])
+        return {
+            "drafter_wait_s": float(delta[0]) / self.num_drafters,
+            "target_wait_s": float(delta[2]) / self.num_targets,
+            "bytes_per_step": int(delta[1]),
+        }

@@ -67,3 +67,17 @@ def test_random_target_on_synthetic_data(tmp_path):
     ranks = json.loads((tmp_path / "split" / "ranks.json").read_text())
     assert [(r["rank"], r["role"], r["steps"]) for r in ranks] == [(0, "target", 10), (1, "target", 10), (2, "drafter", 10)]
     assert ranks[2]["bytes_received"] > 0 and all(r["bytes_sent"] > 0 for r in ranks[:2])
+
+
+def test_eight_ranks_two_targets_six_drafters_match_colocated(tmp_path):
+    """The headline layout's rank count: groups that leave ranks out on both sides
+    (12 pairs, a drafter group without the targets), accumulation over 6 drafters."""
+    six = ["train.batch_size=6", "train.max_steps=4"]
+    run_colocated(tmp_path / "colocated", six)
+    run_disaggregated(tmp_path / "split", 8, 2, six)
+    expected = [m["loss"] for m in read_metrics(tmp_path / "colocated")]
+    assert len(expected) == 4
+    assert [m["loss"] for m in read_metrics(tmp_path / "split")] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    ranks = json.loads((tmp_path / "split" / "ranks.json").read_text())
+    assert [r["role"] for r in ranks] == ["target"] * 2 + ["drafter"] * 6
+    assert all(r["steps"] == 4 for r in ranks)

@@ -1,0 +1,251 @@
+"""The cross-rank protocol of a disaggregated run: its groups and its phases, in order.
+
+Both roles hold one :class:`Protocol` and call the same phases in the same
+order, so a phase cannot exist on one side only::
+
+    start()                 join, create the groups, first contact on every link
+    agree_steps(n)          target rank 0 announces the step count (it read the data)
+    agree_start(s)          the metrics rank announces the resume step
+    warmup(warm, turn)      staggered compile turns, then everyone's warmup report
+    ... training: bundles on the pair groups, gradients on the drafter group;
+        targets poll stopped(), the metrics rank calls announce_stop(step) ...
+    final_step()            targets wait for that announcement
+    export_written()        the metrics rank has written export/
+    summaries(summary)      every rank's end-of-run summary
+    close()
+
+Two planes. Tensors (bundles, gradients) travel on NCCL groups on the GPU
+(gloo on the CPU): one group per (target, drafter) pair, so a pair's messages
+never queue behind another pair's, and one group of the drafter ranks. Control
+(step counts, barriers, warmup turns, the stop signal, summaries) travels
+through the rendezvous store: every control phase is "each rank writes its key,
+then waits for the keys of the ranks it needs", so a rank that waits too long
+knows exactly which ranks never arrived and says so. No gloo group is needed,
+so no group ever leaves a rank out on one backend and not another.
+
+Why NCCL is initialised lazily (no ``device_id`` in ``init_process_group``):
+once the default group is bound to a device, torch's ``_new_process_group_helper``
+makes every rank outside a new group (of any backend) call
+``perform_nocolor_split`` on the default communicator, an NCCL collective over
+all ranks, while the members of a gloo group make no split at all. Any group
+that leaves ranks out then strands them in ``ncclCommSplit``: the hang seen at
+every split of 3 or more ranks on torch 2.11 / NCCL 2.28.9. Without the bound
+device, ``new_group`` does no NCCL work; each pair's communicator is created by
+its two members at first contact, which :meth:`Protocol.start` makes happen at
+start-up, in one global order, under the start-up timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash.compile import staggered_warmup
+from dflash.topology import Topology
+from dflash.watchdog import Watchdog, describe
+
+log = logging.getLogger(__name__)
+
+# The backends' own timeouts (the NCCL watchdog aborts the process) stand behind the
+# phase timeouts, so the first message names the phase and the peers.
+BACKEND_GRACE_S = 60.0
+
+
+class ProtocolError(RuntimeError):
+    """A cross-rank phase that timed out or failed, with the rank, phase and peers named."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Bounds of the three kinds of wait (``topology.*_timeout_s``; README, Reliability)."""
+
+    init_s: float  # joining, creating groups, first contact on every link
+    warmup_s: float  # loading the model and data, and each compile warmup turn
+    step_s: float  # any wait once data flows: a bundle, a gradient reduction, the stop signal
+
+
+class Protocol:
+    """Owns the process groups and the control store of one rank."""
+
+    def __init__(self, topo: Topology, device: torch.device, timeouts: Timeouts):
+        self.topo, self.device, self.timeouts = topo, device, timeouts
+        self.watchdog = Watchdog(topo.rank)
+        self.store: dist.Store | None = None
+        self.pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
+        self.drafters: dist.ProcessGroup | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.topo.rank
+
+    def pairs_of_target(self) -> dict[int, dist.ProcessGroup]:
+        """Peer drafter rank -> pair group, as this target rank sees them."""
+        return {d: g for (t, d), g in self.pairs.items() if t == self.rank}
+
+    def pairs_of_drafter(self) -> dict[int, dist.ProcessGroup]:
+        """Peer target rank -> pair group, as this drafter rank sees them."""
+        return {t: g for (t, d), g in self.pairs.items() if d == self.rank}
+
+    def everyone_but_me(self) -> list[int]:
+        return [r for r in range(self.topo.world_size) if r != self.rank]
+
+    def phase(self, what: str, timeout_s: float, peers: Iterable[int] = ()):
+        """A bounded wait on ``peers`` (see :mod:`dflash.watchdog`)."""
+        return self.watchdog.phase(what, timeout_s, peers)
+
+    # -- start-up -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Join the job, create the groups, and make first contact on every link, all
+        bounded by ``init_s``."""
+        topo, init = self.topo, self.timeouts.init_s
+        backend_timeout = datetime.timedelta(seconds=self.timeouts.step_s + BACKEND_GRACE_S)
+        with self._failing("joining the job (the rendezvous store)", init, self.everyone_but_me()):
+            store, _, _ = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=datetime.timedelta(seconds=init)))
+        self.store = dist.PrefixStore("dflash", store)
+        self._gather("joining the job", None, range(topo.world_size), init)
+        with self._failing("creating the process groups", init, self.everyone_but_me()):
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=backend_timeout)
+            # every rank creates every group in one order; non-members get NON_GROUP_MEMBER
+            for t in range(topo.num_targets):
+                for d in topo.drafter_ranks:
+                    self.pairs[(t, d)] = dist.new_group([t, d], timeout=backend_timeout, group_desc=f"bundles_t{t}_d{d}")
+            self.drafters = dist.new_group(topo.drafter_ranks, timeout=backend_timeout, group_desc="drafters")
+        self._first_contact()
+        self._gather("connecting every target to every drafter", None, range(topo.world_size), init)
+
+    def _first_contact(self) -> None:
+        """One small message on every pair and one all-reduce in the drafter group, so
+        every communicator exists before warmup. Pairs go in one global order
+        ((t, d) ascending), which every rank's own sequence follows, so the smallest
+        unfinished pair always has both ends ready: no cycle of waits."""
+        topo, init = self.topo, self.timeouts.init_s
+        for (t, d), group in self.pairs.items():
+            if self.rank not in (t, d):
+                continue
+            peer = d if self.rank == t else t
+            with self._failing(f"first contact between target {t} and drafter {d}", init, [peer]):
+                buf = torch.tensor([t if self.rank == t else -1], dtype=torch.int64, device=self.device)
+                op = dist.isend if self.rank == t else dist.irecv
+                for work in dist.batch_isend_irecv([dist.P2POp(op, buf, peer, group=group)]):
+                    work.wait()
+                if int(buf.item()) != t:
+                    raise ProtocolError(f"rank {self.rank}: first contact from target {t} carried {int(buf.item())}")
+        if not topo.is_target:
+            others = [r for r in topo.drafter_ranks if r != self.rank]
+            with self._failing("first all-reduce of the drafter group", init, others):
+                one = torch.ones(1, device=self.device)
+                dist.all_reduce(one, group=self.drafters)
+                if int(one.item()) != topo.num_drafters:
+                    raise ProtocolError(f"rank {self.rank}: drafter group counted {int(one.item())} ranks")
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def agree_steps(self, steps: int | None) -> int:
+        """The total step count, from target rank 0 (it read the data); ``steps`` is
+        ignored on every other rank."""
+        mine = steps if self.rank == 0 else None
+        return self._gather("waiting for target rank 0 to load the target and the data", mine, [0], self.timeouts.warmup_s)[0]
+
+    def agree_start(self, start: int | None) -> int:
+        """The step training resumes from, from the metrics rank (it read the checkpoint)."""
+        source = self.topo.metrics_rank
+        mine = start if self.rank == source else None
+        what = f"waiting for drafter rank {source} to build the drafter and read any checkpoint"
+        return self._gather(what, mine, [source], self.timeouts.warmup_s)[source]
+
+    def warmup(self, warm: Callable[[], None], turn: int, turns: int) -> list[dict]:
+        """Run ``warm`` in turn ``turn`` of ``turns``: the ranks of a turn compile while the
+        others wait, so later turns load what the first compiled. Each turn is bounded by
+        ``warmup_s``. Returns every rank's warmup report, in rank order."""
+        limit = self.timeouts.warmup_s
+
+        def watched() -> None:
+            with self.phase(f"compile warmup (turn {turn})", limit):
+                warm()
+
+        def barrier(current: int) -> None:
+            self._gather(f"compile warmup turn {current}, ranks still compiling", None, range(self.topo.world_size), limit)
+
+        report = staggered_warmup(watched, turn, turns, barrier)
+        role = "target" if self.topo.is_target else "drafter"
+        return self._all_values("warmup reports", {"rank": self.rank, "role": role, **report})
+
+    # -- the end of training --------------------------------------------------------------
+
+    def stopped(self) -> bool:
+        """Has the metrics rank announced the end of training? (targets, per micro-batch)"""
+        return self.store.check(["stop"])
+
+    def announce_stop(self, step: int) -> None:
+        """The metrics rank: training ended at ``step`` (completed, or SIGTERM)."""
+        self.store.set("stop", json.dumps(step))
+
+    def final_step(self) -> int:
+        """Targets: wait for :meth:`announce_stop`, the step the drafters ended at."""
+        self._wait(["stop"], "waiting for the drafters to finish training", [self.topo.metrics_rank], self.timeouts.step_s)
+        return json.loads(self.store.get("stop"))
+
+    def export_written(self) -> None:
+        self._gather("writing the export", None, range(self.topo.world_size), self.timeouts.step_s)
+
+    def summaries(self, summary: dict) -> list[dict]:
+        return self._all_values("end-of-run summaries", summary)
+
+    def close(self) -> None:
+        """Rank 0 leaves last: without torchrun it hosts the store that others still read."""
+        self.store.set(f"done/{self.rank}", "1")
+        if self.rank == 0:
+            done = [f"done/{r}" for r in range(self.topo.world_size)]
+            self._wait(done, "closing", range(self.topo.world_size), self.timeouts.step_s)
+        dist.destroy_process_group()
+
+    # -- the store --------------------------------------------------------------------------
+
+    def _all_values(self, what: str, value: Any) -> list:
+        ranks = range(self.topo.world_size)
+        values = self._gather(what, value, ranks, self.timeouts.step_s)
+        return [values[r] for r in ranks]
+
+    def _gather(self, what: str, value: Any, sources: Iterable[int], timeout_s: float) -> dict[int, Any]:
+        """Write this rank's ``value`` under ``what``, wait for the ``sources``' values
+        and return them. Every rank writes (its key also marks its arrival)."""
+        sources = list(sources)
+        self.store.set(f"{what}/{self.rank}", json.dumps(value))
+        keys = [f"{what}/{r}" for r in sources]
+        self._wait(keys, what, sources, timeout_s)
+        return {r: json.loads(self.store.get(k)) for r, k in zip(sources, keys)}
+
+    def _wait(self, keys: list[str], what: str, sources: Iterable[int], timeout_s: float) -> None:
+        sources = list(sources)
+        with self.phase(what, timeout_s, sources):
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
+            except dist.DistError as e:
+                missing = [r for r, k in zip(sources, keys) if not self._has(k)]
+                raise ProtocolError(describe(self.rank, what, timeout_s, missing)) from e
+
+    def _has(self, key: str) -> bool:
+        try:
+            return self.store.check([key])
+        except dist.DistError:
+            return False
+
+    @contextmanager
+    def _failing(self, what: str, timeout_s: float, peers: Iterable[int]) -> Iterator[None]:
+        """A watched phase whose torch errors are re-raised naming the rank, phase and peers."""
+        peers = list(peers)
+        with self.phase(what, timeout_s, peers):
+            try:
+                yield
+            except dist.DistError as e:
+                raise ProtocolError(describe(self.rank, what, timeout_s, peers) + f": {e}") from e
