@@ -319,7 +319,7 @@ def _p2p_worker(rank: int, port: int, overrides: list[str], rounds: int, result_
     if device.type == "cuda":
         if torch.cuda.device_count() < 2:
             raise RuntimeError("--p2p on CUDA needs two GPUs (NCCL cannot put two ranks on one GPU)")
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl")  # lazy, as the trainer does (dflash.protocol says why)
     else:
         dist.init_process_group("gloo")
     group = dist.new_group([0, 1])

@@ -1,4 +1,4 @@
-"""CUDA paths: flex BlockMask against dense SDPA, CUDA graphs against eager, NCCL init."""
+"""CUDA paths on one GPU: flex BlockMask against dense SDPA, CUDA graphs against eager, NCCL init."""
 
 import copy
 import os
@@ -83,10 +83,11 @@ def test_reduce_overhead_equals_eager_with_accumulation():
 
 
 def test_nccl_initialises_and_reduces_the_drafter_gradients():
-    """The NCCL path on one GPU: eager init with device_id, a drafter group, the flat
-    all-reduce of a step (two NCCL ranks cannot share one GPU)."""
+    """The NCCL path on one GPU: lazy init as dflash.protocol does it, a drafter group,
+    the flat all-reduce of a step (two NCCL ranks cannot share one GPU)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         group = dist.new_group([0])
         trainer = _trainer(tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda(), None)

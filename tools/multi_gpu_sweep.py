@@ -1,16 +1,21 @@
 """The multi-GPU figures in one command: NCCL parity, bundle bandwidth, a target:drafter
-ratio sweep, the public reference configuration, staggered against all-at-once
-warmup, peak memory per rank. Everything runs on a random-weight target at a
-preset's shape with synthetic data, so nothing is downloaded.
+ratio sweep with its pipeline efficiency, the public reference configuration,
+staggered against all-at-once warmup, peak memory per rank. Everything runs on a
+random-weight target at a preset's shape with synthetic data, so nothing is
+downloaded.
 
-    python tools/multi_gpu_sweep.py --out sweep.json [--stages parity,p2p,ratios,reference,warmup]
+    python tools/multi_gpu_sweep.py --out sweep.json [--stages parity,ratios,reference,p2p,warmup]
         [--ratios 1,2,3] [--steps 30] [key=value ...]
 
 Run it on one node with two GPUs or more (``NPROC`` GPUs, default all). Each run
 goes through ``launch.sh``; the summary (one JSON) holds per run the samples/s
 per GPU, the drafter and target wait fractions, warmup times and cache hits,
-and each rank's peak memory. Extra ``key=value`` overrides reach every run (a
-CPU dry run: tiny ``target.shape.*`` values and ``NPROC=4``).
+and each rank's peak memory. Pipeline efficiency is the measured samples/s over
+``min(T x target samples/s, D x drafter samples/s)``, the two rates measured by
+``dflash.bench`` at the same shapes in the same call (compiled prefill,
+reduce-overhead drafter step). Extra ``key=value`` overrides reach every run (a
+CPU dry run: tiny ``target.shape.*`` values and ``NPROC=4``). The inductor cache
+is shared by every run (``--cache``), so only the first run of a shape compiles.
 """
 
 from __future__ import annotations
@@ -57,11 +62,31 @@ def throughput(result: dict, nproc: int, batch_size: int) -> dict:
     return out
 
 
+def rates(overrides: list[str], out: Path, env: dict) -> dict:
+    """Samples/s of one target rank (compiled prefill) and one drafter rank
+    (reduce-overhead step) at these shapes, from ``dflash.bench``."""
+    command = [sys.executable, "-m", "dflash.bench", "--modes", "reduce-overhead", "--steps", "8", "--out", str(out), *overrides]
+    print("+", " ".join(command), flush=True)
+    subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, **env})
+    rows = json.loads(out.read_text())["rows"]
+    micro = json.loads(out.read_text())["shapes"]["micro_batch_size"]
+    target = [r for r in rows if r["role"] == "target"][-1]  # compiled when the drafter is
+    drafter = [r for r in rows if r["role"] == "drafter"][-1]
+    return {"target_samples_per_s": round(1e3 * micro / target["step_ms"], 3), "drafter_samples_per_s": drafter["samples_per_s"],
+            "target_mode": target["mode"], "drafter_mode": drafter["mode"]}
+
+
+def efficiency(measured: dict, rate: dict, targets: int, drafters: int) -> float:
+    bound = min(targets * rate["target_samples_per_s"], drafters * rate["drafter_samples_per_s"])
+    return round(measured["samples_per_s"] / bound, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--out", default="sweep.json")
-    parser.add_argument("--stages", default="parity,p2p,ratios,reference,warmup")
+    parser.add_argument("--stages", default="parity,ratios,reference,p2p,warmup")
+    parser.add_argument("--cache", help="TORCHINDUCTOR_CACHE_DIR shared by every run (default: a fresh one)")
     parser.add_argument("--ratios", default="1,2,3", help="target ranks to sweep")
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
@@ -71,40 +96,55 @@ def main() -> None:
     stages, base = args.stages.split(","), COMMON + args.overrides
     report: dict = {"nproc": nproc, "overrides": base}
     work = Path(tempfile.mkdtemp(prefix="dflash-sweep-"))
-    cache = {"TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}  # shared: later runs load compiled code
+    cache = {"TORCHINDUCTOR_CACHE_DIR": args.cache or str(work / "inductor")}  # shared: later runs load compiled code
 
     def save() -> None:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
     if "parity" in stages:
-        steps = ["train.max_steps=20", "train.batch_size=2", "train.micro_batch_size=1", "train.log_every=1"]
-        one = run(1, base + steps, work / "parity_colocated", cache)
-        two = run(2, base + steps + ["topology.target_ranks=1"], work / "parity_t1d1", cache)
-        a, b = [m["loss"] for m in one["metrics"]], [m["loss"] for m in two["metrics"]]
-        report["parity"] = {"colocated": a, "t1d1": b, "max_rel_diff": max(abs(x - y) / abs(x) for x, y in zip(a, b))}
-        save()
+        report["parity"] = {}
+        colocated: dict[int, list[float]] = {}
+        for targets in range(1, nproc):
+            batch = 2 * (nproc - targets)
+            steps = ["train.max_steps=20", f"train.batch_size={batch}", "train.micro_batch_size=1", "train.log_every=1"]
+            if batch not in colocated:
+                one = run(1, base + steps, work / f"parity_colocated_{batch}", cache)
+                colocated[batch] = [m["loss"] for m in one["metrics"]]
+            split = run(nproc, base + steps + [f"topology.target_ranks={targets}"], work / f"parity_t{targets}", cache)
+            a, b = colocated[batch], [m["loss"] for m in split["metrics"]]
+            report["parity"][f"{targets}:{nproc - targets}"] = {
+                "colocated": a, "split": b, "max_rel_diff": max(abs(x - y) / abs(x) for x, y in zip(a, b)),
+            }
+            save()
     if "p2p" in stages:
         subprocess.run([sys.executable, "-m", "dflash.bench", "--p2p", "--out", str(work / "p2p.json"), *base],
                        cwd=ROOT, check=True, env={**os.environ, **cache})
         report["p2p"] = json.loads((work / "p2p.json").read_text())["p2p"]
         save()
     if "ratios" in stages:
+        report["rates"] = rates(base, work / "rates.json", cache)
         report["ratios"] = {}
-        for targets in map(int, args.ratios.split(",")):
+        for targets in (t for t in map(int, args.ratios.split(",")) if t < nproc):
             batch = 4 * (nproc - targets)
             overrides = base + [f"topology.target_ranks={targets}", f"train.batch_size={batch}",
                                 f"train.max_steps={args.steps}", "train.log_every=1"]
-            result = run(nproc, overrides, work / f"ratio_{targets}", cache)
-            report["ratios"][f"{targets}:{nproc - targets}"] = throughput(result, nproc, batch)
+            result = throughput(run(nproc, overrides, work / f"ratio_{targets}", cache), nproc, batch)
+            result["pipeline_efficiency"] = efficiency(result, report["rates"], targets, nproc - targets)
+            report["ratios"][f"{targets}:{nproc - targets}"] = result
             save()
     if "reference" in stages:
+        shapes = ["train.num_anchors=256", "train.max_len=768"]
+        rate = rates(base + shapes, work / "rates_reference.json", cache)
         batch = 4 * (nproc - 1)
-        overrides = base + ["topology.target_ranks=1", "train.num_anchors=256", "train.max_len=768",
-                            f"train.batch_size={batch}", f"train.max_steps={args.steps}", "train.log_every=1"]
-        result = run(nproc, overrides, work / "reference", cache)
-        report["reference"] = {**throughput(result, nproc, batch), "reference_samples_per_s": 50.1}
+        overrides = base + shapes + ["topology.target_ranks=1", f"train.batch_size={batch}",
+                                     f"train.max_steps={args.steps}", "train.log_every=1"]
+        result = throughput(run(nproc, overrides, work / "reference", cache), nproc, batch)
+        report["reference"] = {**result, "rates": rate, "pipeline_efficiency": efficiency(result, rate, 1, nproc - 1),
+                               "reference_samples_per_s_per_gpu": round(50.1 / 8, 3)}
         save()
-    if "warmup" in stages:
+    if "warmup" in stages and nproc < 3:
+        report["warmup"] = "not run: with one target and one drafter both warm up in the first turn"
+    elif "warmup" in stages:
         report["warmup"] = {}
         for name, groups in (("all_at_once", 1), ("staggered", 2)):
             fresh = {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor_{name}")}
