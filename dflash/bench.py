@@ -136,8 +136,9 @@ def settings_for(cfg: DictConfig, mode: str | None, device: torch.device, target
 
 
 class Bench:
-    def __init__(self, cfg: DictConfig, steps: int, peak_tflops: float, profile: str | None = None):
+    def __init__(self, cfg: DictConfig, steps: int, peak_tflops: float, profile: str | None = None, accumulation: int = 1):
         self.cfg, self.steps, self.peak, self.profile = cfg, steps, peak_tflops * 1e12, profile
+        self.accumulation = accumulation
         self.profile_table: str | None = None
         self.device, self.dtype = pick_device()
         self.config = bench_target_config(cfg)
@@ -153,7 +154,8 @@ class Bench:
         return round(100 * flops / seconds / self.peak, 1)
 
     def drafter(self, name: str, mode: str | None) -> dict:
-        """One drafter step per call: a micro-batch forward/backward and the optimizer."""
+        """One drafter step per call: ``accumulation`` micro-batch forward/backwards and the
+        optimizer. Per-sample figures divide by the micro-batches of the call."""
         torch._dynamo.reset()
         reset_memory(self.device)
         trainer = build_trainer(self.cfg, self.config, self.head, 0, 10**6, self.device, self.dtype, settings_for(self.cfg, mode, self.device))
@@ -167,12 +169,13 @@ class Bench:
         calls = iter(range(10**9))
 
         def step() -> None:
-            i = next(calls) % len(self.batches)
-            trainer.micro_step(self.batches[i], prefills[i])
+            for _ in range(self.accumulation):
+                i = next(calls) % len(self.batches)
+                trainer.micro_step(self.batches[i], prefills[i])
             trainer.finish()
 
         step()  # the optimizer's state is created on its first step
-        seconds = timed(step, self.steps, self.device)
+        seconds = timed(step, self.steps, self.device) / self.accumulation
         if name == self.profile:
             self.profile_table = profile_table(step, self.device)
         flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.cfg.train.num_anchors, self.head.vocab_size)
@@ -238,8 +241,10 @@ class Bench:
         }
 
 
-def run_bench(cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str], profile: str | None = None) -> dict:
-    bench = Bench(cfg, steps, peak_tflops, profile)
+def run_bench(
+    cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str], profile: str | None = None, accumulation: int = 1
+) -> dict:
+    bench = Bench(cfg, steps, peak_tflops, profile, accumulation)
     runs = [lambda: bench.prefill("eager", False)]
     if any(MODES[m] for m in modes):
         runs.append(lambda: bench.prefill("compile", True))
@@ -259,7 +264,7 @@ def run_bench(cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str],
             "micro_batch_size": t.micro_batch_size, "max_len": t.max_len, "num_anchors": t.num_anchors,
             "block_size": drafter.block_size, "drafter_layers": drafter.num_layers,
             "drafter_params": sum(p.numel() for p in bench.trainer.drafter.parameters()),
-            "kl_topk": cfg.loss.kl_topk, "dtype": str(bench.dtype).removeprefix("torch."),
+            "kl_topk": cfg.loss.kl_topk, "dtype": str(bench.dtype).removeprefix("torch."), "accumulation": accumulation,
         },
         "peak_tflops": peak_tflops,
         "flop_count": "DESIGN section 5: drafter 6*params*tokens (+ context K/V, fc, LM head fwd+input-grad, attention); "
@@ -418,6 +423,7 @@ def main() -> None:
     parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
     parser.add_argument("--p2p", action="store_true", help="measure bundle bandwidth between two local ranks instead")
     parser.add_argument("--profile", choices=list(MODES), help="also profile the drafter step of this mode")
+    parser.add_argument("--accumulation", type=int, default=1, help="drafter micro-batches per optimizer step")
     parser.add_argument("--out", default="bench.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -429,7 +435,7 @@ def main() -> None:
     else:
         cfg = compose_config(overrides)
         cfg.train.buckets = [cfg.train.max_len]
-        report = run_bench(cfg, args.steps, args.peak_tflops, args.modes.split(","), args.profile)
+        report = run_bench(cfg, args.steps, args.peak_tflops, args.modes.split(","), args.profile, args.accumulation)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(format_report(report))
     if report.get("profile"):

@@ -62,10 +62,12 @@ def throughput(result: dict, nproc: int, batch_size: int) -> dict:
     return out
 
 
-def rates(overrides: list[str], out: Path, env: dict) -> dict:
+def rates(overrides: list[str], out: Path, env: dict, accumulation: int) -> dict:
     """Samples/s of one target rank (compiled prefill) and one drafter rank
-    (reduce-overhead step) at these shapes, from ``dflash.bench``."""
-    command = [sys.executable, "-m", "dflash.bench", "--modes", "reduce-overhead", "--steps", "8", "--out", str(out), *overrides]
+    (reduce-overhead step, the run's accumulation per optimizer step) at these
+    shapes, from ``dflash.bench``."""
+    command = [sys.executable, "-m", "dflash.bench", "--modes", "reduce-overhead", "--steps", "8",
+               "--accumulation", str(accumulation), "--out", str(out), *overrides]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, **env})
     rows = json.loads(out.read_text())["rows"]
@@ -122,7 +124,7 @@ def main() -> None:
         report["p2p"] = json.loads((work / "p2p.json").read_text())["p2p"]
         save()
     if "ratios" in stages:
-        report["rates"] = rates(base, work / "rates.json", cache)
+        report["rates"] = rates(base, work / "rates.json", cache, accumulation=4)  # batch 4 x D
         report["ratios"] = {}
         for targets in (t for t in map(int, args.ratios.split(",")) if t < nproc):
             batch = 4 * (nproc - targets)
@@ -134,7 +136,7 @@ def main() -> None:
             save()
     if "reference" in stages:
         shapes = ["train.num_anchors=256", "train.max_len=768"]
-        rate = rates(base + shapes, work / "rates_reference.json", cache)
+        rate = rates(base + shapes, work / "rates_reference.json", cache, accumulation=4)
         batch = 4 * (nproc - 1)
         overrides = base + shapes + ["topology.target_ranks=1", f"train.batch_size={batch}",
                                      f"train.max_steps={args.steps}", "train.log_every=1"]
