@@ -202,6 +202,10 @@ class BundleReceiver:
     def receive(self, peer: int, m: int | None) -> tuple[Header, MicroBatch | None, PrefillOutput | None]:
         """The bundle for micro-batch ``m`` from ``peer`` (any, if ``m`` is None);
         (header, None, None) at end of data."""
+        if self.device.type == "cuda":
+            # Reading the header syncs this stream anyway; syncing first keeps the
+            # drafter's own queued compute out of the time counted as waiting on targets.
+            torch.cuda.current_stream(self.device).synchronize()
         start = time.perf_counter()
         if self._pending is None or self._pending[0] != peer:
             self.post_header(peer)
