@@ -65,7 +65,9 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         log.info("saved checkpoint %s", final)
     if group is not None:
-        dist.barrier(group=group)
+        # NCCL groups are created lazily without a bound device (dflash.protocol): name it
+        devices = [torch.cuda.current_device()] if dist.get_backend(group) == "nccl" else None
+        dist.barrier(group=group, device_ids=devices)
     return final
 
 
