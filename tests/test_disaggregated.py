@@ -56,15 +56,20 @@ RANDOM_TARGET = [
 ]
 
 
+def split_matches_colocated(tmp_path, world: int, targets: int, overrides: list[str], steps: int) -> list[dict]:
+    """Train colocated and split with the same overrides; the losses agree. Returns ranks.json."""
+    run_colocated(tmp_path / "colocated", overrides)
+    run_disaggregated(tmp_path / "split", world, targets, overrides)
+    expected = [m["loss"] for m in read_metrics(tmp_path / "colocated")]
+    assert len(expected) == steps
+    assert [m["loss"] for m in read_metrics(tmp_path / "split")] == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    return json.loads((tmp_path / "split" / "ranks.json").read_text())
+
+
 def test_random_target_on_synthetic_data(tmp_path):
     """The throughput setup (random weights at a preset's shape, random tokens): two
     target ranks build the same target and the drafter ranks the same head."""
-    run_colocated(tmp_path / "colocated", RANDOM_TARGET)
-    run_disaggregated(tmp_path / "split", 3, 2, RANDOM_TARGET)
-    expected = [m["loss"] for m in read_metrics(tmp_path / "colocated")]
-    assert len(expected) == 10
-    assert [m["loss"] for m in read_metrics(tmp_path / "split")] == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    ranks = json.loads((tmp_path / "split" / "ranks.json").read_text())
+    ranks = split_matches_colocated(tmp_path, 3, 2, RANDOM_TARGET, steps=10)
     assert [(r["rank"], r["role"], r["steps"]) for r in ranks] == [(0, "target", 10), (1, "target", 10), (2, "drafter", 10)]
     assert ranks[2]["bytes_received"] > 0 and all(r["bytes_sent"] > 0 for r in ranks[:2])
 
@@ -72,12 +77,6 @@ def test_random_target_on_synthetic_data(tmp_path):
 def test_eight_ranks_two_targets_six_drafters_match_colocated(tmp_path):
     """The headline layout's rank count: groups that leave ranks out on both sides
     (12 pairs, a drafter group without the targets), accumulation over 6 drafters."""
-    six = ["train.batch_size=6", "train.max_steps=4"]
-    run_colocated(tmp_path / "colocated", six)
-    run_disaggregated(tmp_path / "split", 8, 2, six)
-    expected = [m["loss"] for m in read_metrics(tmp_path / "colocated")]
-    assert len(expected) == 4
-    assert [m["loss"] for m in read_metrics(tmp_path / "split")] == pytest.approx(expected, rel=1e-5, abs=1e-6)
-    ranks = json.loads((tmp_path / "split" / "ranks.json").read_text())
+    ranks = split_matches_colocated(tmp_path, 8, 2, ["train.batch_size=6", "train.max_steps=4"], steps=4)
     assert [r["role"] for r in ranks] == ["target"] * 2 + ["drafter"] * 6
     assert all(r["steps"] == 4 for r in ranks)

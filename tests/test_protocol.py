@@ -66,17 +66,18 @@ def test_every_phase_agrees(tmp_path, world, targets):
 
 def _late_rank(rank: int, world: int, port: int, out: str, init_s: float) -> None:
     if rank == world - 1:
-        time.sleep(init_s + 20)  # never arrives in time
+        time.sleep(init_s + 8)  # never arrives in time
         return
     proto = _protocol(rank, world, 1, port, Timeouts(init_s=init_s, warmup_s=60, step_s=60))
-    _record(Path(out), rank, proto.start)
+    try:  # exit quietly, so that the harness does not end the other rank before it reports
+        _record(Path(out), rank, proto.start)
+    except Exception:  # noqa: BLE001 - recorded
+        pass
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_init_timeout(tmp_path):
     init_s = 4
-    with pytest.raises(mp.ProcessRaisedException):
-        mp.start_processes(_late_rank, args=(3, free_port(), str(tmp_path), init_s), nprocs=3, join=True,
-                           start_method="spawn")
+    mp.start_processes(_late_rank, args=(3, free_port(), str(tmp_path), init_s), nprocs=3, join=True, start_method="spawn")
     # Without torchrun rank 0 hosts the store and itself waits for its clients until the
     # timeout (under torchrun the agent hosts it), so rank 1 sees rank 0 missing too.
     message = (tmp_path / "rank1").read_text()
