@@ -14,6 +14,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash.loss import decay_weights
+
+
+@dataclass(frozen=True)
+class AnchorSpec:
+    """How anchors are drawn: how many per sequence, for which block size, from which seed."""
+
+    num_anchors: int
+    block_size: int
+    seed: int
+
 
 def sample_generator(seed: int, epoch: int, sample_index: int) -> torch.Generator:
     state = np.random.SeedSequence([seed, epoch, sample_index]).generate_state(2, dtype=np.uint32)
@@ -40,17 +51,6 @@ def sample_anchors(
     anchors = torch.where(keep, chosen, 0)
     order = torch.where(keep, anchors, length + num_anchors).argsort(stable=True)
     return anchors[order], keep[order]
-
-
-def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
-    """``w_k = exp(-(k-1)/gamma)`` for block slot k >= 1; slot 0 (the anchor) has no loss."""
-    k = torch.arange(block_size, dtype=torch.float32, device=device)
-    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0)
-
-
-def default_gamma(block_size: int) -> float:
-    """The paper's decay: 7 for B=16, 5 for B=10, 4 for B=8; (B-2)/2 for other sizes."""
-    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, (block_size - 2) / 2))
 
 
 @dataclass

@@ -10,7 +10,7 @@ Weights are random (speed does not depend on them): the target comes from the
 Reported: the drafter step (one micro-batch forward/backward plus the optimizer)
 eager, compiled and compiled with CUDA graphs; the target prefill eager and
 compiled; the colocated pipeline; peak memory and warmup time of each. MFU uses
-the FLOP count of DESIGN section 5 (printed with the table) over
+the FLOP count of docs/DESIGN.md section 6 (printed with the table) over
 ``--peak-tflops``. ``--warmup-procs N`` instead times the compile warmup of N
 drafter processes on this machine, all at once against staggered; ``--p2p``
 sends bundles of the configured shapes between two local ranks (NCCL on two
@@ -24,51 +24,41 @@ import gc
 import json
 import logging
 import os
-import socket
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from omegaconf import DictConfig
 
-from dflash.compile import (
-    CompileSettings,
-    compile_counts,
-    resolve_settings,
-    share_compile_threads,
-    staggered_warmup,
-    warmup_group,
-)
-from dflash.data import AnchorSpec, random_batch
+from dflash.build import Job, build_job, build_trainer, compose_config, warm_drafter
+from dflash.bundle import random_batch, random_prefill
+from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.model import DrafterConfig, TargetHead
-from dflash.target import RANDOM, Target, random_prefill, random_target, target_config
-from dflash.train import build_trainer, peak_memory_gib, pick_device, target_layer_ids, warm_drafter
-from dflash.transport import BundleReceiver, BundleSender, Expected
+from dflash.protocol import free_port, set_rank_env
+from dflash.roles import peak_memory_gib
+from dflash.target import RANDOM, Target, random_target
+from dflash.transport import BundleReceiver, BundleSender
 
 log = logging.getLogger("dflash.bench")
 
 MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead"}
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
-
-
-def bench_target_config(cfg: DictConfig):
-    """Weights are random either way: the preset's ``shape``, or the shipped model's config.json."""
-    t = cfg.target
-    return target_config(RANDOM, t.shape) if t.get("shape") else target_config(t.path)
+def bench_job(overrides: list[str]) -> Job:
+    """The job of these overrides with random weights either way: at the preset's
+    ``shape``, or at the shipped model's config.json."""
+    cfg = compose_config(overrides)
+    if cfg.target.get("shape"):
+        cfg.target.path = RANDOM
+    return build_job(cfg)
 
 
 def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int) -> float:
-    """Training FLOPs of one sequence, counted as in DESIGN section 5."""
+    """Training FLOPs of one sequence, counted as in docs/DESIGN.md section 6."""
     h, kv = d.hidden_size, d.num_key_value_heads * d.head_dim
     q = d.num_attention_heads * d.head_dim
     layer_linear = h * q * 2 + h * kv * 2 + 3 * h * d.intermediate_size
@@ -85,14 +75,14 @@ def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: 
 def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool) -> float:
     """Inference FLOPs of one sequence: 2 x params x tokens over the decoder layers (and
     the LM head when it runs), plus causal attention."""
-    tc = model.config.get_text_config()
+    text = model.config.get_text_config()
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     params = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
     if with_head:
         params += head.numel()
-    q = tc.num_attention_heads * (getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads)
-    attention = tc.num_hidden_layers * 4 * q * seq_len * (seq_len + 1) / 2
+    q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    attention = text.num_hidden_layers * 4 * q * seq_len * (seq_len + 1) / 2
     return 2 * params * seq_len + attention
 
 
@@ -128,27 +118,27 @@ def reset_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def settings_for(cfg: DictConfig, mode: str | None, device: torch.device, target: bool = False) -> CompileSettings | None:
-    if mode is None:
-        return None
-    cuda_mode = mode if device.type == "cuda" else None
-    return CompileSettings(drafter=True, target=target, backend=cfg.compile.backend, mode=cuda_mode, strict=False, warmup_groups=1)
+def with_mode(job: Job, mode: str | None, target: bool = False) -> Job:
+    """The job with the drafter (and, with ``target``, the target) compiled in one bench
+    ``mode``; ``None``: eager. No CUDA graphs on the CPU."""
+    cuda_mode = mode if job.device.type == "cuda" else None
+    settings = replace(job.compile, drafter=mode is not None, target=target and mode is not None, mode=cuda_mode,
+                       strict=False, warmup_turns=1)
+    return replace(job, compile=settings)
 
 
 class Bench:
-    def __init__(self, cfg: DictConfig, steps: int, peak_tflops: float, profile: str | None = None, accumulation: int = 1):
-        self.cfg, self.steps, self.peak, self.profile = cfg, steps, peak_tflops * 1e12, profile
+    def __init__(self, job: Job, steps: int, peak_tflops: float, profile: str | None = None, accumulation: int = 1):
+        self.job, self.steps, self.peak, self.profile = job, steps, peak_tflops * 1e12, profile
         self.accumulation = accumulation
         self.profile_table: str | None = None
-        self.device, self.dtype = pick_device()
-        self.config = bench_target_config(cfg)
-        self.model = random_target(self.config, self.device, self.dtype, cfg.train.seed)
-        self.head = TargetHead(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight)
-        t = cfg.train
-        self.micro, self.seq_len, self.topk = t.micro_batch_size, t.max_len, cfg.loss.kl_topk
-        spec = AnchorSpec(t.num_anchors, cfg.drafter.block_size, t.seed)
-        self.batches = [random_batch(self.micro, self.seq_len, self.head.vocab_size, spec, seed=i) for i in range(2)]
-        self.target = Target(self.model, target_layer_ids(cfg, self.config.get_text_config().num_hidden_layers))
+        self.device, self.dtype, plan = job.device, job.dtype, job.plan
+        self.model = random_target(job.target_config, self.device, self.dtype, plan.seed)
+        self.head = TargetHead.of(self.model)
+        self.micro, self.seq_len, self.topk = plan.micro_batch_size, plan.max_len, plan.topk
+        vocab = self.head.vocab_size
+        self.batches = [random_batch(self.micro, self.seq_len, vocab, plan.anchor_spec(), seed=i) for i in range(2)]
+        self.target = Target(self.model, list(plan.layer_ids))
 
     def mfu(self, flops: float, seconds: float) -> float:
         return round(100 * flops / seconds / self.peak, 1)
@@ -158,14 +148,14 @@ class Bench:
         optimizer. Per-sample figures divide by the micro-batches of the call."""
         torch._dynamo.reset()
         reset_memory(self.device)
-        trainer = build_trainer(self.cfg, self.config, self.head, 0, 10**6, self.device, self.dtype, settings_for(self.cfg, mode, self.device))
+        trainer = build_trainer(with_mode(self.job, mode), self.head, 0, 10**6)
         feature_dim = trainer.drafter.fc.in_features
         prefills = [
             random_prefill(self.micro, self.seq_len, feature_dim, self.dtype, self.topk, self.head.vocab_size, self.device)
             for _ in self.batches
         ]
         before = compile_counts()
-        warm = staggered_warmup(lambda: warm_drafter(self.cfg, trainer, self.dtype), 0, 1)
+        warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype), 0, 1)
         calls = iter(range(10**9))
 
         def step() -> None:
@@ -178,7 +168,7 @@ class Bench:
         seconds = timed(step, self.steps, self.device) / self.accumulation
         if name == self.profile:
             self.profile_table = profile_table(step, self.device)
-        flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.cfg.train.num_anchors, self.head.vocab_size)
+        flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.job.plan.num_anchors, self.head.vocab_size)
         after = compile_counts()
         result = {
             "role": "drafter",
@@ -200,7 +190,7 @@ class Bench:
         reset_memory(self.device)
         target = self.target
         if compiled:
-            target.compile(settings_for(self.cfg, "default", self.device, target=True))
+            target.compile(with_mode(self.job, "default", target=True).compile)
         else:
             target.uncompile()
         ids = self.batches[0].input_ids.to(self.device)
@@ -242,9 +232,9 @@ class Bench:
 
 
 def run_bench(
-    cfg: DictConfig, steps: int, peak_tflops: float, modes: list[str], profile: str | None = None, accumulation: int = 1
+    job: Job, steps: int, peak_tflops: float, modes: list[str], profile: str | None = None, accumulation: int = 1
 ) -> dict:
-    bench = Bench(cfg, steps, peak_tflops, profile, accumulation)
+    bench = Bench(job, steps, peak_tflops, profile, accumulation)
     runs = [lambda: bench.prefill("eager", False)]
     if any(MODES[m] for m in modes):
         runs.append(lambda: bench.prefill("compile", True))
@@ -254,47 +244,35 @@ def run_bench(
     for run in runs:
         rows.append(run())
         log.info("%s", rows[-1])
-    t = cfg.train
-    drafter = bench.trainer.drafter.config
+    plan, drafter = job.plan, bench.trainer.drafter.config
     return {
-        "target": cfg.target.name,
+        "target": job.cfg.target.name,
         "device": torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "shapes": {
-            "micro_batch_size": t.micro_batch_size, "max_len": t.max_len, "num_anchors": t.num_anchors,
+            "micro_batch_size": plan.micro_batch_size, "max_len": plan.max_len, "num_anchors": plan.num_anchors,
             "block_size": drafter.block_size, "drafter_layers": drafter.num_layers,
             "drafter_params": sum(p.numel() for p in bench.trainer.drafter.parameters()),
-            "kl_topk": cfg.loss.kl_topk, "dtype": str(bench.dtype).removeprefix("torch."), "accumulation": accumulation,
+            "kl_topk": plan.topk, "dtype": str(bench.dtype).removeprefix("torch."), "accumulation": accumulation,
         },
         "peak_tflops": peak_tflops,
-        "flop_count": "DESIGN section 5: drafter 6*params*tokens (+ context K/V, fc, LM head fwd+input-grad, attention); "
+        "flop_count": "docs/DESIGN.md section 6: drafter 6*params*tokens (+ context K/V, fc, LM head fwd+input-grad, attention); "
         "target 2*params*tokens + causal attention",
         "rows": rows,
         "profile": bench.profile_table,
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], groups: int, result_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], turns: int, result_dir: str) -> None:
+    set_rank_env(rank, world, port)
     dist.init_process_group("gloo")
-    cfg = compose_config(overrides)
-    device, dtype = pick_device()
-    settings = resolve_settings(cfg, device, len(cfg.train.buckets or [cfg.train.max_len]))
-    config = bench_target_config(cfg)
-    vocab, hidden = config.get_text_config().vocab_size, config.get_text_config().hidden_size
-    head = TargetHead(torch.randn(vocab, hidden, device=device, dtype=dtype), torch.randn(vocab, hidden, device=device, dtype=dtype))
-    trainer = build_trainer(cfg, config, head, 0, 10**6, device, dtype, settings)
-    group = warmup_group(rank, rank == 0, rank, groups)
-    share_compile_threads(sum(warmup_group(r, r == 0, r, groups) == group for r in range(world)))
-    report = staggered_warmup(lambda: warm_drafter(cfg, trainer, dtype), group, groups, lambda _: dist.barrier())
+    job = bench_job(overrides)
+    text = job.target_config.get_text_config()
+    head = TargetHead(*(torch.randn(text.vocab_size, text.hidden_size, device=job.device, dtype=job.dtype) for _ in range(2)))
+    trainer = build_trainer(job, head, 0, 10**6)
+    turn = warmup_turn(rank == 0, rank, turns)
+    share_compile_threads(sum(warmup_turn(r == 0, r, turns) == turn for r in range(world)))
+    report = staggered_warmup(lambda: warm_drafter(job.plan, trainer, job.dtype), turn, turns, lambda _: dist.barrier())
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **report}))
     dist.destroy_process_group()
 
@@ -304,10 +282,10 @@ def run_warmup(overrides: list[str], procs: int) -> dict:
     (the first compiles, the rest load from its cache), each from an empty inductor
     cache. The span runs from the first rank starting to the last rank done."""
     report = {"procs": procs, "overrides": overrides}
-    for name, groups in (("all_at_once", 1), ("staggered", 2)):
+    for name, turns in (("all_at_once", 1), ("staggered", 2)):
         with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-            args = (procs, free_port(), overrides, groups, out)
+            args = (procs, free_port(), overrides, turns, out)
             mp.start_processes(_warmup_worker, args=args, nprocs=procs, join=True, start_method="spawn")
             ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(procs)]
         span = max(r["ended"] for r in ranks) - min(r["began"] for r in ranks)
@@ -318,9 +296,9 @@ def run_warmup(overrides: list[str], procs: int) -> dict:
 def _p2p_worker(rank: int, port: int, overrides: list[str], rounds: int, result_dir: str) -> None:
     """Rank 0 sends ``rounds`` bundles of the configured shapes to rank 1 through the
     trainer's transport, then one raw buffer of the same size, the link's reference."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    cfg = compose_config(overrides)
-    device, dtype = pick_device()
+    set_rank_env(rank, 2, port, local=True)
+    job = bench_job(overrides)
+    plan, device, dtype = job.plan, job.device, job.dtype
     if device.type == "cuda":
         if torch.cuda.device_count() < 2:
             raise RuntimeError("--p2p on CUDA needs two GPUs (NCCL cannot put two ranks on one GPU)")
@@ -328,22 +306,18 @@ def _p2p_worker(rank: int, port: int, overrides: list[str], rounds: int, result_
     else:
         dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
-    config = bench_target_config(cfg)
-    t, tc = cfg.train, config.get_text_config()
-    feature_dim = len(target_layer_ids(cfg, tc.num_hidden_layers)) * tc.hidden_size
-    spec = AnchorSpec(t.num_anchors, cfg.drafter.block_size, t.seed)
-    batch = random_batch(t.micro_batch_size, t.max_len, tc.vocab_size, spec)
+    vocab = job.target_config.get_text_config().vocab_size
+    batch = random_batch(plan.micro_batch_size, plan.max_len, vocab, plan.anchor_spec())
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     result = {}
     if rank == 0:
-        prefill = random_prefill(t.micro_batch_size, t.max_len, feature_dim, dtype, cfg.loss.kl_topk, tc.vocab_size, device)
-        sender = BundleSender({1: group}, device, cfg.topology.max_in_flight)
+        prefill = random_prefill(plan.micro_batch_size, plan.max_len, plan.feature_dim, dtype, plan.topk, vocab, device)
+        sender = BundleSender({1: group}, device, plan.block_size, job.cfg.topology.max_in_flight)
         for m in range(rounds + 1):
             sender.send(1, m, batch, prefill)
         sender.drain()
     else:
-        expected = Expected(t.micro_batch_size, t.num_anchors, feature_dim, dtype, cfg.loss.kl_topk, [t.max_len])
-        receiver = BundleReceiver({0: group}, device, expected)
+        receiver = BundleReceiver({0: group}, device, replace(plan, buckets=(plan.max_len,)).expected(dtype))
         receiver.receive(0, 0)  # first contact sets up the communicator
         sync()
         start, first_bytes = time.perf_counter(), receiver.bytes_received
@@ -395,7 +369,7 @@ def format_report(report: dict) -> str:
             r = report[name]
             lines.append(f"  {name}: {r['span_s']:.1f} s from first start to last done")
             lines += [
-                f"    rank {x['rank']} group {x['group']}: {x['wall_s']:.1f} s, FX cache {x['fx_cache_hits']} hits / "
+                f"    rank {x['rank']} turn {x['turn']}: {x['wall_s']:.1f} s, FX cache {x['fx_cache_hits']} hits / "
                 f"{x['fx_cache_misses']} misses, AOT cache {x['aot_cache_hits']} hits / {x['aot_cache_misses']} misses"
                 for x in r["ranks"]
             ]
@@ -433,9 +407,8 @@ def main() -> None:
     elif args.warmup_procs:
         report = run_warmup(overrides, args.warmup_procs)
     else:
-        cfg = compose_config(overrides)
-        cfg.train.buckets = [cfg.train.max_len]
-        report = run_bench(cfg, args.steps, args.peak_tflops, args.modes.split(","), args.profile, args.accumulation)
+        job = bench_job(overrides + ["train.buckets=null"])
+        report = run_bench(job, args.steps, args.peak_tflops, args.modes.split(","), args.profile, args.accumulation)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(format_report(report))
     if report.get("profile"):

@@ -9,7 +9,6 @@ renamed when complete; a crash mid-save leaves the previous one intact.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shutil
 import warnings
@@ -19,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dflash.files import publish, staging_dir
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +53,12 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": step}
     final = root / f"step_{step:08d}"
-    tmp = root / f".tmp_step_{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(final)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     if group is None or dist.get_rank(group) == 0:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        publish(tmp, final)
         for old in checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         log.info("saved checkpoint %s", final)

@@ -8,9 +8,9 @@ replay happens on the rank's main thread. Shapes are static (length buckets,
 a fixed micro-batch and anchor count), so after warmup nothing should compile
 or record again: :class:`CompileGuard` counts it if it does.
 
-Warmup is staggered: ranks compile in groups, one group at a time, between
-barriers. The first group compiles cold and fills the inductor cache; later
-groups load from it in seconds instead of all ranks compiling everything at
+Warmup is staggered: ranks compile in turns, one turn at a time, between
+barriers. The first turn compiles cold and fills the inductor cache; later
+turns load from it in seconds instead of all ranks compiling everything at
 once. This only pays when ranks share the device index (every rank sees its GPU
 as ``cuda:0``, see ``launch.sh``) and the cache directory.
 """
@@ -40,7 +40,7 @@ class CompileSettings:
     backend: str
     mode: str | None  # only for the inductor backend
     strict: bool
-    warmup_groups: int
+    warmup_turns: int
 
     @property
     def cuda_graphs(self) -> bool:
@@ -63,11 +63,11 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
     c = cfg.compile
     drafter = _flag(c.enabled, device)
     mode = c.mode if device.type == "cuda" else None  # no CUDA graphs on the CPU
-    groups = c.warmup_groups
-    if groups == "auto":
-        groups = 2 if device.type == "cuda" else 1
-    if int(groups) < 1:
-        raise ValueError(f"compile.warmup_groups={groups} must be >= 1 or auto")
+    turns = c.warmup_turns
+    if turns == "auto":
+        turns = 2 if device.type == "cuda" else 1
+    if int(turns) < 1:
+        raise ValueError(f"compile.warmup_turns={turns} must be >= 1 or auto")
     if c.cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(c.cache_dir)
     # The loss is a custom autograd.Function whose forward and backward are pure
@@ -85,7 +85,7 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
         backend=c.backend,
         mode=mode,
         strict=bool(c.strict),
-        warmup_groups=int(groups),
+        warmup_turns=int(turns),
     )
 
 
@@ -147,12 +147,12 @@ class CompileGuard:
         return found
 
 
-def warmup_group(rank: int, first_of_role: bool, index_in_role: int, groups: int) -> int:
-    """Group 0 holds the first rank of each role (they compile different graphs, so
+def warmup_turn(first_of_role: bool, index_in_role: int, turns: int) -> int:
+    """Turn 0 holds the first rank of each role (they compile different graphs, so
     both compile cold at once); the others are dealt round-robin over the rest."""
-    if groups == 1 or first_of_role:
+    if turns == 1 or first_of_role:
         return 0
-    return 1 + (index_in_role - 1) % (groups - 1)
+    return 1 + (index_in_role - 1) % (turns - 1)
 
 
 def share_compile_threads(ranks_compiling: int) -> None:
@@ -182,5 +182,5 @@ def staggered_warmup(
             barrier(current)
     after = compile_counts()
     report = {k: after[k] - before[k] for k in after}
-    report.update(group=turn, wall_s=round(ended - began, 2), began=began, ended=ended)
+    report.update(turn=turn, wall_s=round(ended - began, 2), began=began, ended=ended)
     return report

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from dflash.anchors import sample_anchors, sample_generator
+from dflash.anchors import AnchorSpec, sample_anchors, sample_generator
+from dflash.bundle import MicroBatch
+from dflash.files import local_path
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +31,7 @@ ROLE_ALIASES = {"user": "user", "human": "user", "assistant": "assistant", "gpt"
 
 def resolve_data_path(path: str) -> list[Path]:
     """Files behind ``data.path``: a file, a directory of ``*.jsonl``, or ``demo``."""
-    if path == "demo":
-        return [Path(__file__).parent / "assets" / "demo_data" / "train.jsonl"]
-    p = Path(path).expanduser()
+    p = local_path("data", path)
     if p.is_dir():
         files = sorted(p.glob("*.jsonl"))
         if not files:
@@ -46,23 +46,32 @@ class BadRecord(ValueError):
     """A conversation that cannot be trained on: "category: detail", counted by category."""
 
 
-def parse_messages(record: object) -> list[dict[str, str]]:
+def conversation_turns(record: object) -> list:
+    """The raw turns of one record (``conversations`` or ``messages``)."""
     if not isinstance(record, dict):
         raise BadRecord("not a JSON object")
     turns = record.get("conversations", record.get("messages"))
     if not isinstance(turns, list) or not turns:
         raise BadRecord("no conversation: no 'conversations' or 'messages' list")
-    messages = []
-    for turn in turns:
-        if not isinstance(turn, dict):
-            raise BadRecord("bad turn: not an object")
-        role = ROLE_ALIASES.get(str(turn.get("role", turn.get("from", ""))).lower())
-        content = turn.get("content", turn.get("value"))
-        if role is None:
-            raise BadRecord(f"unknown role: {turn.get('role', turn.get('from'))!r}")
-        if not isinstance(content, str):
-            raise BadRecord("bad turn: content is not a string")
-        messages.append({"role": role, "content": content})
+    return turns
+
+
+def parse_turn(turn: object) -> dict[str, str]:
+    """One turn as ``{"role", "content"}``, from the OpenAI or the ShareGPT spelling."""
+    if not isinstance(turn, dict):
+        raise BadRecord("bad turn: not an object")
+    role = ROLE_ALIASES.get(str(turn.get("role", turn.get("from", ""))).lower())
+    content = turn.get("content", turn.get("value"))
+    if role is None:
+        raise BadRecord(f"unknown role: {turn.get('role', turn.get('from'))!r}")
+    if not isinstance(content, str):
+        raise BadRecord("bad turn: content is not a string")
+    return {"role": role, "content": content}
+
+
+def parse_messages(record: object) -> list[dict[str, str]]:
+    """A trainable conversation: user first, at least one non-empty assistant turn."""
+    messages = [parse_turn(turn) for turn in conversation_turns(record)]
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no assistant turn")
     if any(m["role"] == "assistant" and not m["content"].strip() for m in messages):
@@ -174,26 +183,6 @@ def load_dataset(
     return Dataset(samples, skipped)
 
 
-@dataclass
-class MicroBatch:
-    """One micro-batch, padded to a length bucket, with its anchors already drawn.
-
-    Anchors are drawn here, on the host, where the data is produced: the drafter
-    step then needs no host sync, and a target rank can ship them in the bundle.
-    """
-
-    input_ids: torch.Tensor  # [b, S]
-    loss_mask: torch.Tensor  # [b, S]
-    lengths: torch.Tensor  # [b]
-    anchors: torch.Tensor  # [b, num_anchors]
-    keep: torch.Tensor  # [b, num_anchors] bool: False for slots that could not be filled
-    epoch: int
-
-    def to(self, device: torch.device) -> "MicroBatch":
-        moved = (t.to(device, non_blocking=True) for t in (self.input_ids, self.loss_mask, self.lengths, self.anchors, self.keep))
-        return MicroBatch(*moved, self.epoch)
-
-
 def bucket_length(length: int, buckets: list[int]) -> int:
     for b in sorted(buckets):
         if length <= b:
@@ -201,7 +190,7 @@ def bucket_length(length: int, buckets: list[int]) -> int:
     raise ValueError(f"sequence of {length} tokens exceeds the largest bucket {max(buckets)}")
 
 
-class Schedule:
+class SampleOrder:
     """Which samples form global micro-batch ``m``: a pure function of seed and ``m``.
 
     Each epoch is a seeded permutation of the dataset; an optimizer step takes
@@ -232,13 +221,6 @@ class Schedule:
         return epoch, self.permutation(epoch)[start : start + self.micro_batch_size]
 
 
-@dataclass
-class AnchorSpec:
-    num_anchors: int
-    block_size: int
-    seed: int
-
-
 def collate(
     dataset: Dataset, epoch: int, indices: np.ndarray, buckets: list[int], pad_id: int, spec: AnchorSpec
 ) -> MicroBatch:
@@ -256,16 +238,3 @@ def collate(
         anchors.append(a)
         keep.append(k)
     return MicroBatch(ids, mask, torch.tensor(lengths), torch.stack(anchors), torch.stack(keep), epoch)
-
-
-def random_batch(batch: int, seq_len: int, vocab_size: int, spec: AnchorSpec, seed: int = 0) -> MicroBatch:
-    """Random tokens at full length, every token a response token: the shapes of
-    real micro-batches without any data (compile warmup, benchmarks)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
-    mask = torch.ones_like(ids)
-    drawn = [sample_anchors(mask[r], spec.num_anchors, spec.block_size, g) for r in range(batch)]
-    anchors = torch.stack([a for a, _ in drawn])
-    keep = torch.stack([k for _, k in drawn])
-    return MicroBatch(ids, mask, torch.full((batch,), seq_len), anchors, keep, epoch=0)
-

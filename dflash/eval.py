@@ -51,14 +51,14 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from dflash.data import ROLE_ALIASES
+from dflash.data import conversation_turns, parse_turn
 from dflash.export import load_export
+from dflash.files import local_path
 from dflash.model import DFlashDrafter, TargetHead
-from dflash.target import load_target
+from dflash.target import TargetSource
 
 log = logging.getLogger("dflash.eval")
 
-DEMO_HELDOUT = Path(__file__).parent / "assets" / "demo_data" / "heldout.jsonl"
 
 
 # ---------------------------------------------------------------------------
@@ -203,7 +203,7 @@ def greedy_generate(
 
 def resolve_prompts_path(path: str) -> Path:
     """A JSONL file; the shipped held-out demo prompts are addressed as ``demo_heldout``."""
-    return DEMO_HELDOUT if path == "demo_heldout" else Path(path).expanduser()
+    return local_path("prompts", path)
 
 
 def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
@@ -219,11 +219,11 @@ def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
                 continue
             record = json.loads(line)
             messages = []
-            for turn in record.get("conversations", record.get("messages", [])):
-                role = ROLE_ALIASES.get(str(turn.get("role", turn.get("from", ""))).lower())
-                if role == "assistant":
+            for turn in conversation_turns(record):
+                message = parse_turn(turn)
+                if message["role"] == "assistant":
                     break
-                messages.append({"role": role, "content": turn.get("content", turn.get("value"))})
+                messages.append(message)
             if messages:
                 prompts.append(messages)
             if len(prompts) >= max_prompts:
@@ -253,17 +253,17 @@ def stop_ids(tokenizer: PreTrainedTokenizerBase, target_model: nn.Module) -> set
 
 def check_compatible(target_model: nn.Module, drafter: DFlashDrafter) -> None:
     """Fail with a message instead of a shape error deep in a matmul."""
-    tc = target_model.config.get_text_config()
+    text = target_model.config.get_text_config()
     cfg = drafter.config
-    if cfg.hidden_size != tc.hidden_size or not 0 <= cfg.mask_token_id < tc.vocab_size:
+    if cfg.hidden_size != text.hidden_size or not 0 <= cfg.mask_token_id < text.vocab_size:
         raise ValueError(
             f"drafter (hidden {cfg.hidden_size}, mask id {cfg.mask_token_id}) does not fit the target "
-            f"(hidden {tc.hidden_size}, vocab {tc.vocab_size})"
+            f"(hidden {text.hidden_size}, vocab {text.vocab_size})"
         )
-    if not all(0 <= i < tc.num_hidden_layers - 1 for i in cfg.target_layer_ids):
+    if not all(0 <= i < text.num_hidden_layers - 1 for i in cfg.target_layer_ids):
         # HF's hidden_states[L] is taken after the final norm, unlike the other layers.
         raise ValueError(
-            f"target_layer_ids {cfg.target_layer_ids} must lie in 0..{tc.num_hidden_layers - 2} "
+            f"target_layer_ids {cfg.target_layer_ids} must lie in 0..{text.num_hidden_layers - 2} "
             "for this evaluation"
         )
 
@@ -417,8 +417,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
-    target_model, tokenizer = load_target(args.target, device, dtype, args.trust_remote_code)
-    head = TargetHead(target_model.get_input_embeddings().weight, target_model.get_output_embeddings().weight)
+    target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
+    head = TargetHead.of(target_model)
     out = args.out or Path(args.drafter).resolve().parent / "eval.json"
     report = evaluate_datasets(
         target_model, tokenizer, args.drafter, head, datasets, args.max_prompts, args.max_new_tokens, out,

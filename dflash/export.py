@@ -12,16 +12,15 @@ the target's).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.files import publish, staging_dir
 from dflash.model import DFlashDrafter, DrafterConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
@@ -63,16 +62,12 @@ def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: str = "bfloa
     """Write ``config.json`` + ``model.safetensors``; a temp dir renamed at the end
     so a crash never leaves a half-written export behind."""
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = staging_dir(out)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().to(DTYPES[dtype]).contiguous().cpu() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to(EXPORT_DTYPES[dtype]).contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(hf_config(drafter.config, dtype), indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    return publish(tmp, out)
 
 
 def drafter_config_from_hf(config: dict) -> DrafterConfig:
@@ -106,5 +101,5 @@ def load_export(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     drafter = DFlashDrafter(drafter_config_from_hf(config))
     state = load_file(path / "model.safetensors")
     drafter.load_state_dict(state, strict=True)
-    dtype = dtype or DTYPES.get(config.get("dtype", "float32"), torch.float32)
+    dtype = dtype or EXPORT_DTYPES.get(config.get("dtype", "float32"), torch.float32)
     return drafter.to(device=device, dtype=dtype).eval()

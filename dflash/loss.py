@@ -18,6 +18,31 @@ from dataclasses import dataclass
 import torch
 
 
+def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
+    """``w_k = exp(-(k-1)/gamma)`` for block slot k >= 1; slot 0 (the anchor) has no loss."""
+    k = torch.arange(block_size, dtype=torch.float32, device=device)
+    return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), 0.0)
+
+
+def default_gamma(block_size: int) -> float:
+    """The paper's decay: 7 for B=16, 5 for B=10, 4 for B=8; (B-2)/2 for other sizes."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, (block_size - 2) / 2))
+
+
+def teacher_at(
+    label_positions: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k (indices, logits) that teach each block slot, ``[rows, k]``.
+
+    Slot k of a block is labelled with the token at position ``a + k``; the target
+    predicts that token from position ``a + k - 1``, so its logits there are the
+    teacher. ``label_positions [b, n*B]`` are the ``a + k``.
+    """
+    at = (label_positions - 1).clamp(min=0)[..., None]
+    k = topk_indices.shape[-1]
+    return topk_indices.gather(1, at.expand(-1, -1, k)).flatten(0, 1), topk_values.gather(1, at.expand(-1, -1, k)).flatten(0, 1)
+
+
 @dataclass
 class LossOutput:
     loss_sum: torch.Tensor  # scalar, sum_i w_i * (ce_weight * ce_i + kl_weight * kl_i)

@@ -213,6 +213,11 @@ class TargetHead(nn.Module):
         self.embed_weight = nn.Parameter(embed_weight, requires_grad=False)
         self.lm_head_weight = nn.Parameter(lm_head_weight, requires_grad=False)
 
+    @classmethod
+    def of(cls, model: nn.Module) -> TargetHead:
+        """The head of a loaded HF causal LM, sharing its storage."""
+        return cls(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+
     @property
     def vocab_size(self) -> int:
         return self.lm_head_weight.shape[0]

@@ -40,6 +40,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -249,3 +251,19 @@ class Protocol:
                 yield
             except dist.DistError as e:
                 raise ProtocolError(describe(self.rank, what, timeout_s, peers) + f": {e}") from e
+
+
+def free_port() -> int:
+    """A free TCP port on this host, for a rendezvous without torchrun."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_rank_env(rank: int, world: int, port: int, local: bool = False) -> None:
+    """The environment torchrun would give rank ``rank`` of ``world`` on this host (for
+    benchmarks and tests that spawn ranks themselves); ``local`` also sets LOCAL_RANK,
+    so each rank takes its own GPU."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if local:
+        os.environ["LOCAL_RANK"] = str(rank)

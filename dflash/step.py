@@ -17,12 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash.anchors import make_blocks
+from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.compile import CompileSettings
-from dflash.data import MicroBatch
-from dflash.loss import head_loss, slot_accuracy
+from dflash.loss import head_loss, slot_accuracy, teacher_at
 from dflash.masks import build_mask
 from dflash.model import DFlashDrafter, TargetHead
-from dflash.target import PrefillOutput
 
 
 @dataclass
@@ -120,9 +119,7 @@ class DrafterTrainer:
         ctx_positions = torch.arange(seq_len, device=input_ids.device).expand(b, seq_len)
         teacher_idx = teacher_logits = None
         if obj.kl_weight:
-            at = (blocks.label_positions - 1).clamp(min=0)[..., None]
-            teacher_idx = topk_indices.gather(1, at.expand(-1, -1, topk_indices.shape[-1])).flatten(0, 1)
-            teacher_logits = topk_values.gather(1, at.expand(-1, -1, topk_values.shape[-1])).flatten(0, 1)
+            teacher_idx, teacher_logits = teacher_at(blocks.label_positions, topk_values, topk_indices)
         hidden = self.drafter(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask)
         out = head_loss(
             hidden.flatten(0, 1),

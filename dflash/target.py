@@ -19,7 +19,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from dflash.bundle import PrefillOutput
 from dflash.compile import CompileSettings
+from dflash.files import local_path
 from dflash.model import TargetHead
 
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
@@ -30,9 +32,7 @@ RANDOM = "random"
 
 def resolve_path(path: str) -> Path:
     """A local model directory; the shipped demo target is addressed as ``demo``."""
-    if path == "demo":
-        return Path(__file__).parent / "assets" / "demo_target"
-    resolved = Path(path).expanduser()
+    resolved = local_path("target", path)
     if not (resolved / "config.json").is_file():
         raise FileNotFoundError(
             f"target.path={path!r} is not a local HF model directory (no config.json); "
@@ -72,24 +72,6 @@ def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
     return configured
 
 
-@dataclass
-class PrefillOutput:
-    features: torch.Tensor  # [b, S, n*H], the chosen layers' hidden states side by side
-    topk_values: torch.Tensor | None = None  # [b, S, k] target logits (for the KL loss)
-    topk_indices: torch.Tensor | None = None  # [b, S, k]
-
-
-def random_prefill(
-    batch: int, seq_len: int, feature_dim: int, dtype: torch.dtype, topk: int, vocab_size: int, device: torch.device
-) -> PrefillOutput:
-    """What a prefill returns, filled with noise: drafter warmup and benchmarks."""
-    features = torch.randn(batch, seq_len, feature_dim, device=device).to(dtype)
-    if not topk:
-        return PrefillOutput(features)
-    values = torch.randn(batch, seq_len, topk, device=device).sort(-1, descending=True).values
-    return PrefillOutput(features, values, torch.randint(0, vocab_size, (batch, seq_len, topk), device=device))
-
-
 class Target:
     """A frozen HF causal LM that yields context features for the drafter."""
 
@@ -120,7 +102,7 @@ class Target:
 
     def head(self) -> TargetHead:
         """The frozen embedding and LM head, sharing storage with the target."""
-        return TargetHead(self.model.get_input_embeddings().weight, self.model.get_output_embeddings().weight)
+        return TargetHead.of(self.model)
 
     def compile(self, settings: CompileSettings) -> None:
         """Compile each decoder layer's forward (static shapes, no CUDA graphs: a
@@ -160,28 +142,14 @@ def _param_name(model: nn.Module, param: torch.Tensor) -> str:
     return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)
 
 
-def target_config(path: str, shape: Mapping | None = None, trust_remote_code: bool = False) -> PretrainedConfig:
-    """The target's HF config: its config.json, or for ``target.path=random`` the
-    preset's ``target.shape``."""
-    if path != RANDOM:
-        return AutoConfig.from_pretrained(resolve_path(path), trust_remote_code=trust_remote_code, local_files_only=True)
-    if not shape:
-        raise ValueError(
-            "target.path=random builds the target from target.shape; use a preset that has one "
-            "(target=qwen3_8b|qwen3_4b|llama3_1_8b)"
-        )
-    shape = dict(shape)
-    return AutoConfig.for_model(shape.pop("model_type"), **shape)
-
-
 def random_head_weights(config: PretrainedConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The embedding and LM head of a random target, drawn on the CPU from ``seed`` so
     that target ranks and drafter ranks hold the very same matrices."""
-    tc = config.get_text_config()
+    text = config.get_text_config()
     g = torch.Generator().manual_seed(seed)
-    std = getattr(tc, "initializer_range", 0.02)
-    embed = torch.randn(tc.vocab_size, tc.hidden_size, generator=g) * std
-    head = embed if tc.tie_word_embeddings else torch.randn(tc.vocab_size, tc.hidden_size, generator=g) * std
+    std = getattr(text, "initializer_range", 0.02)
+    embed = torch.randn(text.vocab_size, text.hidden_size, generator=g) * std
+    head = embed if text.tie_word_embeddings else torch.randn(text.vocab_size, text.hidden_size, generator=g) * std
     return embed, head
 
 
@@ -199,78 +167,86 @@ def random_target(config: PretrainedConfig, device: torch.device, dtype: torch.d
     return model.eval().requires_grad_(False)
 
 
-def load_head(
-    path: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    trust_remote_code: bool = False,
-    shape: Mapping | None = None,
-    seed: int = 0,
-) -> TargetHead:
-    """Only the embedding and LM head of the target, read straight from its safetensors.
+@dataclass(frozen=True)
+class TargetSource:
+    """Where the target comes from (``target.*``): a local HF directory, ``demo`` (the
+    shipped one), or ``random`` weights drawn from ``seed`` at the preset's ``shape``."""
 
-    Drafter ranks need these two matrices, not the whole target; the parameter
-    names come from the model class built on the meta device, so any HF causal
-    LM layout works, tied embeddings included.
-    """
-    if path == RANDOM:
-        embed, head = random_head_weights(target_config(path, shape), seed)
-        on_device = embed.to(device=device, dtype=dtype)
-        return TargetHead(on_device, on_device if head is embed else head.to(device=device, dtype=dtype))
-    local = resolve_path(path)
-    config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    embed_name = _param_name(skeleton, skeleton.get_input_embeddings().weight)
-    head_name = _param_name(skeleton, skeleton.get_output_embeddings().weight)
-    index = local / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    path: str
+    trust_remote_code: bool = False
+    shape: Mapping | None = None
+    seed: int = 0
 
-    def read(name: str) -> torch.Tensor | None:
-        file = local / (files.get(name, "") if files is not None else "model.safetensors")
-        if not file.is_file():
+    @property
+    def is_random(self) -> bool:
+        return self.path == RANDOM
+
+    def config(self) -> PretrainedConfig:
+        """The HF config: config.json, or for ``random`` the preset's ``target.shape``."""
+        if not self.is_random:
+            return AutoConfig.from_pretrained(resolve_path(self.path), trust_remote_code=self.trust_remote_code,
+                                              local_files_only=True)
+        if not self.shape:
+            raise ValueError(
+                "target.path=random builds the target from target.shape; use a preset that has one "
+                "(target=qwen3_8b|qwen3_4b|llama3_1_8b)"
+            )
+        shape = dict(self.shape)
+        return AutoConfig.for_model(shape.pop("model_type"), **shape)
+
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The target's tokenizer; a random target has none."""
+        if self.is_random:
             return None
-        with safe_open(file, "pt", device="cpu") as f:
-            return f.get_tensor(name).to(device=device, dtype=dtype) if name in f.keys() else None
+        return AutoTokenizer.from_pretrained(resolve_path(self.path), trust_remote_code=self.trust_remote_code,
+                                             local_files_only=True)
 
-    embed = read(embed_name)
-    if embed is None:
-        raise FileNotFoundError(f"{local} has no tensor {embed_name!r} in its safetensors files")
-    head = read(head_name)
-    if head is None:
-        if not getattr(config.get_text_config(), "tie_word_embeddings", False):
-            raise FileNotFoundError(f"{local} has no tensor {head_name!r} and its embeddings are not tied")
-        head = embed
-    return TargetHead(embed, head)
+    def load(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+        """The frozen model and its tokenizer; nothing is downloaded."""
+        if self.is_random:
+            return random_target(self.config(), device, dtype, self.seed), None
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_path(self.path),
+            config=self.config(),
+            dtype=dtype,
+            trust_remote_code=self.trust_remote_code,
+            local_files_only=True,
+            attn_implementation="sdpa",
+        ).to(device)
+        return model.eval().requires_grad_(False), self.tokenizer()
 
+    def head(self, device: torch.device, dtype: torch.dtype) -> TargetHead:
+        """Only the embedding and LM head, read straight from the safetensors.
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
-    """The target's tokenizer; a random target has none."""
-    if path == RANDOM:
-        return None
-    return AutoTokenizer.from_pretrained(resolve_path(path), trust_remote_code=trust_remote_code, local_files_only=True)
+        Drafter ranks need these two matrices, not the whole target; the parameter
+        names come from the model class built on the meta device, so any HF causal
+        LM layout works, tied embeddings included.
+        """
+        if self.is_random:
+            embed, head = random_head_weights(self.config(), self.seed)
+            on_device = embed.to(device=device, dtype=dtype)
+            return TargetHead(on_device, on_device if head is embed else head.to(device=device, dtype=dtype))
+        local, config = resolve_path(self.path), self.config()
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=self.trust_remote_code)
+        embed_name = _param_name(skeleton, skeleton.get_input_embeddings().weight)
+        head_name = _param_name(skeleton, skeleton.get_output_embeddings().weight)
+        index = local / "model.safetensors.index.json"
+        files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
 
+        def read(name: str) -> torch.Tensor | None:
+            file = local / (files.get(name, "") if files is not None else "model.safetensors")
+            if not file.is_file():
+                return None
+            with safe_open(file, "pt", device="cpu") as f:
+                return f.get_tensor(name).to(device=device, dtype=dtype) if name in f.keys() else None
 
-def load_target(
-    path: str,
-    device: torch.device,
-    dtype: torch.dtype,
-    trust_remote_code: bool = False,
-    shape: Mapping | None = None,
-    seed: int = 0,
-) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
-    """Load a local HF model and its tokenizer; nothing is downloaded.
-    ``path=random`` builds one with random weights from ``shape`` instead."""
-    if path == RANDOM:
-        return random_target(target_config(path, shape), device, dtype, seed), None
-    local = resolve_path(path)
-    config = AutoConfig.from_pretrained(local, trust_remote_code=trust_remote_code, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        local,
-        config=config,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        local_files_only=True,
-        attn_implementation="sdpa",
-    ).to(device)
-    return model.eval().requires_grad_(False), load_tokenizer(path, trust_remote_code)
+        embed = read(embed_name)
+        if embed is None:
+            raise FileNotFoundError(f"{local} has no tensor {embed_name!r} in its safetensors files")
+        head = read(head_name)
+        if head is None:
+            if not getattr(config.get_text_config(), "tie_word_embeddings", False):
+                raise FileNotFoundError(f"{local} has no tensor {head_name!r} and its embeddings are not tied")
+            head = embed
+        return TargetHead(embed, head)

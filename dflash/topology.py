@@ -50,10 +50,6 @@ class Topology:
         return self.batch_size // (self.micro_batch_size * self.num_drafters)
 
     @property
-    def micro_per_step(self) -> int:
-        return self.accumulation * self.num_drafters
-
-    @property
     def is_target(self) -> bool:
         return self.rank < self.num_targets
 

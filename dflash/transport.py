@@ -1,37 +1,34 @@
 """Batch bundles over point-to-point: a fixed-size header, then the tensors.
 
-A bundle carries one micro-batch from a target rank to a drafter rank:
-``input_ids``, ``loss_mask``, ``lengths``, the anchors drawn by the data
-pipeline with their keep-mask, the context features ``[b, S, n*H]`` and, for the KL loss, the
-target's top-k logits. The receiver learns the shapes from the header, checks
-them against what it expects (a mismatch is a clear error, never a hang on a
-wrongly sized receive), then receives into buffers of exactly those shapes.
-End of data and abort travel as header flags.
+The header carries the bundle's dimensions (batch, length, anchors, feature
+width and dtype, top-k, block size), its micro-batch index and flags (end of
+data, abort). The receiver checks the header against what it expects (a
+mismatch is a clear error, never a hang on a wrongly sized receive), then
+receives into buffers of exactly the shapes that :data:`dflash.bundle.FIELDS`
+gives for those dimensions.
 
 Each (target, drafter) pair has its own process group (see ``dflash.protocol``),
-so messages of one pair never match those of another. Within a
-bundle each tensor has its own tag (its index), so a receive can only match
-the tensor it was sized for (gloo honours tags; NCCL orders by issue). gloo (CPU)
-sends CPU tensors; NCCL (GPU) sends device tensors; dtypes without an NCCL
-equivalent travel as ``uint8`` views.
+so messages of one pair never match those of another. Within a bundle each
+tensor has its own tag (its index), so a receive can only match the tensor it
+was sized for (gloo honours tags; NCCL orders by issue). gloo (CPU) sends CPU
+tensors; NCCL (GPU) sends device tensors; dtypes that either lacks travel as
+``uint8`` views.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass, fields
 
 import torch
 import torch.distributed as dist
 
-from dflash.data import MicroBatch
-from dflash.target import PrefillOutput
+from dflash.bundle import MicroBatch, PrefillOutput, flatten, present, unflatten
 
 MAGIC = 0x0DF1A5
-HEADER_LEN = 12
 FLAG_END, FLAG_ABORT = 1, 2
-DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+FEATURE_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+FEATURE_DTYPES = {v: k for k, v in FEATURE_DTYPE_CODES.items()}
 
 
 class BundleError(RuntimeError):
@@ -44,54 +41,40 @@ class Header:
     flags: int = 0
     batch: int = 0
     seq_len: int = 0
-    feature_dim: int = 0
-    topk: int = 0
-    feature_dtype: int = 0
-    epoch: int = 0
     num_anchors: int = 0
+    feature_dim: int = 0
+    feature_dtype: int = 0
+    topk: int = 0
+    block_size: int = 0
+    epoch: int = 0
     send_wait_us: int = 0  # the target's cumulative time blocked on sends, for pipeline metrics
 
     def tensor(self) -> torch.Tensor:
-        values = [MAGIC, self.micro_batch, self.flags, self.batch, self.seq_len, self.feature_dim, self.topk,
-                  self.feature_dtype, self.epoch, self.num_anchors, self.send_wait_us]
-        return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+        return torch.tensor([MAGIC, *astuple(self)], dtype=torch.int64)
 
     @classmethod
-    def parse(cls, t: torch.Tensor) -> "Header":
+    def parse(cls, t: torch.Tensor) -> Header:
         v = t.tolist()
         if v[0] != MAGIC:
             raise BundleError(f"bad bundle header (magic {v[0]:#x}): the ranks disagree on the message order")
-        return cls(*v[1:11])
+        return cls(*v[1:])
+
+    def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each payload tensor, in field order."""
+        size = {"b": self.batch, "S": self.seq_len, "n": self.num_anchors, "F": self.feature_dim, "k": self.topk}
+        feature_dtype = FEATURE_DTYPES[self.feature_dtype]
+        return [(tuple(size[d] for d in f.dims), f.dtype or feature_dtype) for f in present(self.topk)]
 
 
-def _payload_shapes(h: Header) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    b, s = h.batch, h.seq_len
-    shapes = [
-        ((b,), torch.int64),
-        ((2, b, s), torch.int64),
-        ((2, b, h.num_anchors), torch.int64),
-        ((b, s, h.feature_dim), DTYPES[h.feature_dtype]),
-    ]
-    if h.topk:
-        shapes += [((b, s, h.topk), torch.float32), ((b, s, h.topk), torch.int64)]
-    return shapes
+HEADER_LEN = 1 + len(fields(Header))  # the magic number, then every field
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    """NCCL has no bf16 on some builds and gloo none at all: send such tensors as bytes."""
-    return t.contiguous().view(torch.uint8) if t.dtype in (torch.bfloat16, torch.float16) else t.contiguous()
-
-
-def bundle_tensors(batch: MicroBatch, prefill: PrefillOutput, device: torch.device) -> list[torch.Tensor]:
-    tensors = [
-        batch.lengths,
-        torch.stack([batch.input_ids, batch.loss_mask]),
-        torch.stack([batch.anchors, batch.keep.long()]),
-        prefill.features,
-    ]
-    if prefill.topk_values is not None:
-        tensors += [prefill.topk_values.float(), prefill.topk_indices]
-    return [_wire(t.to(device)) for t in tensors]
+    """NCCL has no bf16 on some builds and gloo none at all, and neither takes every
+    bool: send such tensors as bytes."""
+    if t.dtype in (torch.bfloat16, torch.float16, torch.bool):
+        return t.contiguous().view(torch.uint8)
+    return t.contiguous()
 
 
 def _complete(works: list) -> None:
@@ -107,8 +90,8 @@ def _complete(works: list) -> None:
 class BundleSender:
     """Non-blocking sends from one target rank, at most ``max_in_flight`` bundles outstanding."""
 
-    def __init__(self, groups: dict[int, dist.ProcessGroup], device: torch.device, max_in_flight: int = 2):
-        self.groups, self.device, self.max_in_flight = groups, device, max_in_flight
+    def __init__(self, groups: dict[int, dist.ProcessGroup], device: torch.device, block_size: int, max_in_flight: int = 2):
+        self.groups, self.device, self.block_size, self.max_in_flight = groups, device, block_size, max_in_flight
         self.in_flight: list[tuple[list, list[torch.Tensor]]] = []
         self.wait_s = 0.0
         self.bytes_sent = 0
@@ -126,12 +109,13 @@ class BundleSender:
     def send(self, peer: int, m: int, batch: MicroBatch, prefill: PrefillOutput) -> None:
         f = prefill.features
         header = Header(
-            micro_batch=m, batch=f.shape[0], seq_len=f.shape[1], feature_dim=f.shape[2],
+            micro_batch=m, batch=f.shape[0], seq_len=f.shape[1], num_anchors=batch.anchors.shape[1],
+            feature_dim=f.shape[2], feature_dtype=FEATURE_DTYPE_CODES[f.dtype],
             topk=0 if prefill.topk_values is None else prefill.topk_values.shape[-1],
-            feature_dtype=DTYPE_CODES[f.dtype], epoch=batch.epoch, num_anchors=batch.anchors.shape[1],
-            send_wait_us=int(self.wait_s * 1e6),
+            block_size=self.block_size, epoch=batch.epoch, send_wait_us=int(self.wait_s * 1e6),
         )
-        self._post(peer, [header.tensor().to(self.device), *bundle_tensors(batch, prefill, self.device)])
+        payload = [_wire(t.to(self.device)) for t in flatten(batch, prefill)]
+        self._post(peer, [header.tensor().to(self.device), *payload])
 
     def send_flag(self, peer: int, m: int, flags: int) -> None:
         """A header alone; never blocks, so an abort goes out even when peers are stuck."""
@@ -154,6 +138,7 @@ class Expected:
     feature_dtype: torch.dtype
     topk: int
     buckets: list[int]
+    block_size: int
 
 
 class BundleReceiver:
@@ -184,10 +169,12 @@ class BundleReceiver:
             problems.append(f"{h.num_anchors} anchors, expected train.num_anchors={e.num_anchors}")
         if h.feature_dim != e.feature_dim:
             problems.append(f"feature dim {h.feature_dim}, the drafter's fc takes {e.feature_dim}")
-        if DTYPES.get(h.feature_dtype) != e.feature_dtype:
-            problems.append(f"feature dtype code {h.feature_dtype}, expected {e.feature_dtype}")
+        if FEATURE_DTYPES.get(h.feature_dtype) != e.feature_dtype:
+            problems.append(f"feature dtype {FEATURE_DTYPES.get(h.feature_dtype, h.feature_dtype)}, expected {e.feature_dtype}")
         if h.topk != e.topk:
             problems.append(f"top-k {h.topk}, expected loss.kl_topk={e.topk}")
+        if h.block_size != e.block_size:
+            problems.append(f"anchors drawn for block size {h.block_size}, expected drafter.block_size={e.block_size}")
         if problems:
             raise BundleError(f"bundle from rank {peer} does not match this drafter: " + "; ".join(problems))
 
@@ -221,7 +208,7 @@ class BundleReceiver:
             self.wait_s += time.perf_counter() - start
             return h, None, None
         self._check(h, peer, m)
-        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in _payload_shapes(h)]
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in h.shapes()]
         wire = [_wire(t) for t in bufs]
         ops = [dist.P2POp(dist.irecv, t, peer, group=self.groups[peer], tag=tag) for tag, t in enumerate(wire, start=1)]
         works = dist.batch_isend_irecv(ops)
@@ -229,9 +216,7 @@ class BundleReceiver:
             w.wait()
         self.wait_s += time.perf_counter() - start
         self.bytes_received += sum(t.numel() * t.element_size() for t in wire) + HEADER_LEN * 8
-        lengths, tokens, anchors, features = bufs[:4]
-        batch = MicroBatch(tokens[0], tokens[1], lengths, anchors[0], anchors[1].bool(), h.epoch)
-        prefill = PrefillOutput(features, *bufs[4:6])
+        batch, prefill = unflatten(bufs, h.topk, h.epoch)
         return h, batch, prefill
 
 

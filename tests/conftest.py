@@ -55,3 +55,32 @@ def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_s
 def tiny_head(hidden: int = 64, vocab: int = 96, seed: int = 0) -> TargetHead:
     g = torch.Generator().manual_seed(seed)
     return TargetHead(torch.randn(vocab, hidden, generator=g), torch.randn(vocab, hidden, generator=g) * 0.1)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Models this small are dispatch-bound: extra threads only add sync cost on shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def word_tokenizer(vocab_size: int = 96):
+    """A word-level tokenizer with a Qwen-style chat template, built in memory (no files)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
+    vocab = specials + ["\n", "user", "assistant"] + [f"w{i}" for i in range(vocab_size - 8)]
+    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<|unk|>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.add_special_tokens(specials)
+    backend.add_tokens(["\n"])
+    template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<|unk|>", chat_template=template
+    )

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
-from dflash.bench import compose_config as compose_cfg
-from dflash.bench import free_port
+from dflash.build import compose_config as compose_cfg
+from dflash.protocol import free_port, set_rank_env
 
 # Small enough for 2 CPU cores, big enough to exercise accumulation and every path.
 TINY = [
@@ -39,9 +38,7 @@ def run_colocated(output_dir: Path, overrides: list[str]) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, overrides: list[str]) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, world, port, local=True)
     torch.set_num_threads(1)
     from dflash.train import train
 

@@ -2,8 +2,9 @@
 
 import torch
 
-from dflash.anchors import decay_weights, make_blocks, sample_anchors, sample_generator
-from dflash.data import AnchorSpec, Dataset, Sample, collate
+from dflash.anchors import AnchorSpec, make_blocks, sample_anchors, sample_generator
+from dflash.data import Dataset, Sample, collate
+from dflash.loss import decay_weights
 
 B = 4
 MASK = 99

@@ -1,30 +1,22 @@
-"""The benchmark's FLOP count matches DESIGN section 5, and both bench commands run."""
+"""The benchmark's FLOP count matches docs/DESIGN.md section 6, and both bench commands run."""
 
 import json
 
 import pytest
 import torch
 
-from dflash.bench import (
-    bench_target_config,
-    compose_config,
-    drafter_flops,
-    format_report,
-    run_bench,
-    run_p2p,
-    run_warmup,
-)
+from dflash.bench import bench_job, drafter_flops, format_report, run_bench, run_p2p, run_warmup
+from dflash.build import drafter_config
 from dflash.model import DFlashDrafter
-from dflash.train import drafter_config, target_layer_ids
 
 TINY = ["wandb.mode=disabled", "train.micro_batch_size=2", "train.num_anchors=4", "train.max_len=64",
         "train.buckets=[64]", "drafter.num_layers=1", "compile.backend=aot_eager"]
 
 
 def test_flop_count_of_the_design_reference():
-    cfg = compose_config(["target=qwen3_8b", "train=paper"])
-    config = bench_target_config(cfg)
-    drafter = drafter_config(config, cfg, target_layer_ids(cfg, 36), 151669)
+    job = bench_job(["target=qwen3_8b", "train=paper"])
+    config = job.target_config
+    drafter = drafter_config(job, 151669)
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(drafter).parameters())
     assert params == pytest.approx(1.049e9, rel=1e-3)
@@ -34,7 +26,7 @@ def test_flop_count_of_the_design_reference():
 
 
 def test_bench_reports_every_role(tmp_path):
-    report = run_bench(compose_config(TINY), steps=1, peak_tflops=790.0, modes=["eager", "compile"])
+    report = run_bench(bench_job(TINY), steps=1, peak_tflops=790.0, modes=["eager", "compile"])
     rows = {(r["role"], r["mode"]): r for r in report["rows"]}
     assert set(rows) == {("target", "eager"), ("target", "compile"), ("drafter", "eager"), ("drafter", "compile"),
                          ("colocated", "compiled")}
@@ -47,7 +39,7 @@ def test_bench_reports_every_role(tmp_path):
 def test_warmup_bench_staggers_two_processes():
     report = run_warmup(TINY + ["compile.enabled=true"], procs=2)
     at_once, staggered = report["all_at_once"]["ranks"], report["staggered"]["ranks"]
-    assert [r["group"] for r in at_once] == [0, 0] and [r["group"] for r in staggered] == [0, 1]
+    assert [r["turn"] for r in at_once] == [0, 0] and [r["turn"] for r in staggered] == [0, 1]
     assert staggered[1]["began"] >= staggered[0]["ended"]
     assert all(r["graphs"] == 1 for r in at_once + staggered)
     assert "staggered" in format_report(report)

@@ -6,8 +6,9 @@ import threading
 
 import pytest
 import torch
-
 from conftest import tiny_drafter, tiny_head
+from test_step import BS, batch, split
+
 from dflash.compile import (
     CompileGuard,
     CompileSettings,
@@ -15,12 +16,11 @@ from dflash.compile import (
     assert_main_thread,
     compile_counts,
     share_compile_threads,
-    warmup_group,
+    warmup_turn,
 )
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
-from test_step import BS, batch, split
 
-AOT = CompileSettings(drafter=True, target=False, backend="aot_eager", mode=None, strict=True, warmup_groups=1)
+AOT = CompileSettings(drafter=True, target=False, backend="aot_eager", mode=None, strict=True, warmup_turns=1)
 
 
 def make_trainer(drafter, settings: CompileSettings | None, kl: bool = False, autocast: torch.dtype | None = None):
@@ -116,10 +116,10 @@ def test_model_work_only_on_the_main_thread():
     assert errors and "main thread" in str(errors[0].value)
 
 
-def test_warmup_groups():
+def test_warmup_turns():
     # first rank of each role compiles cold in group 0, the rest share the remaining groups
-    assert [warmup_group(r, r == 0, r, 3) for r in range(5)] == [0, 1, 2, 1, 2]
-    assert {warmup_group(r, r == 0, r, 1) for r in range(4)} == {0}
+    assert [warmup_turn(r == 0, r, 3) for r in range(5)] == [0, 1, 2, 1, 2]
+    assert {warmup_turn(r == 0, r, 1) for r in range(4)} == {0}
 
 
 def test_compile_threads_are_shared_by_the_ranks_of_a_turn(monkeypatch):

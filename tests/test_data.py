@@ -5,7 +5,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from dflash.data import Schedule, load_dataset, tokenize_conversation
+from dflash.data import SampleOrder, load_dataset, tokenize_conversation
 from dflash.target import resolve_path
 
 
@@ -56,8 +56,8 @@ def test_loss_mask_covers_exactly_the_reply(tokenizer):
 
 
 def test_schedule_depends_on_seed_and_index_only():
-    a = Schedule(100, batch_size=8, micro_batch_size=2, seed=3)
-    b = Schedule(100, batch_size=8, micro_batch_size=4, seed=3)
+    a = SampleOrder(100, batch_size=8, micro_batch_size=2, seed=3)
+    b = SampleOrder(100, batch_size=8, micro_batch_size=4, seed=3)
     # the same samples per optimizer step whatever the micro-batch split
     step_a = sorted(i for m in range(4) for i in a.micro_batch(4 + m)[1])
     step_b = sorted(i for m in range(2) for i in b.micro_batch(2 + m)[1])

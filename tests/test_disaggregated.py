@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from runs import read_metrics, run_colocated, run_disaggregated
 
 KL = ["loss.kl_weight=0.5", "loss.kl_topk=8"]
@@ -37,13 +36,13 @@ def test_compiled_staggered_run_matches_eager(colocated, tmp_path):
     """Both roles compiled (aot_eager), strict guards, two warmup turns: same losses,
     no recompile after warmup, and the second turn starts after the first ends."""
     compiled = ["compile.enabled=true", "compile.backend=aot_eager", "compile.target=true", "compile.strict=true",
-                "compile.warmup_groups=2"]
+                "compile.warmup_turns=2"]
     run_disaggregated(tmp_path, 3, 1, KL + compiled)
     metrics = read_metrics(tmp_path)
     assert [m["loss"] for m in metrics] == pytest.approx(colocated["kl"], rel=1e-5, abs=1e-6)
     assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in metrics)
     reports = json.loads((tmp_path / "warmup.json").read_text())
-    assert [(r["role"], r["group"]) for r in reports] == [("target", 0), ("drafter", 0), ("drafter", 1)]
+    assert [(r["role"], r["turn"]) for r in reports] == [("target", 0), ("drafter", 0), ("drafter", 1)]
     assert all(r["graphs"] > 0 for r in reports)
     assert reports[2]["began"] >= max(reports[0]["ended"], reports[1]["ended"])
 

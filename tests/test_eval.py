@@ -6,27 +6,19 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import tiny_drafter, tiny_target, word_tokenizer
 from torch import nn
 from torch.nn import functional as F
 
-from conftest import tiny_drafter, tiny_target
 from dflash.eval import accept, greedy_generate, main, speculative_generate, tau
 from dflash.export import save_export
 from dflash.model import TargetHead
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 B = 4
 VOCAB = 96
 MAX_NEW = 30
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small are dispatch-bound: extra threads only add sync cost,
-    and stall badly when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +34,7 @@ def target() -> nn.Module:
 
 
 def head_of(model: nn.Module) -> TargetHead:
-    return TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return TargetHead.of(model)
 
 
 def prompt(seed: int, length: int = 9) -> torch.Tensor:
@@ -174,23 +166,8 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
 def save_tiny_target(model: nn.Module, out) -> None:
     """A word-level tokenizer with a Qwen-style chat template next to the model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
-    vocab = specials + ["\n", "user", "assistant"] + [f"w{i}" for i in range(VOCAB - 8)]
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<|unk|>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(specials)
-    backend.add_tokens(["\n"])
-    template = (
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<|unk|>", chat_template=template
-    )
-    model.generation_config.eos_token_id = vocab.index("<|im_end|>")
+    tokenizer = word_tokenizer(VOCAB)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 

@@ -3,9 +3,9 @@
 import json
 
 import torch
+from conftest import tiny_drafter
 from safetensors import safe_open
 
-from conftest import tiny_drafter
 from dflash.export import load_export, save_export
 
 

@@ -6,15 +6,14 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import tiny_drafter, tiny_head
-from dflash.anchors import make_blocks, sample_anchors, sample_generator
-from dflash.bench import free_port
+
+from dflash.anchors import AnchorSpec, make_blocks, sample_anchors, sample_generator
+from dflash.bundle import random_batch, random_prefill
 from dflash.compile import CompileGuard, CompileSettings
-from dflash.data import AnchorSpec, random_batch
 from dflash.masks import build_mask
+from dflash.protocol import free_port
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
-from dflash.target import random_prefill
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +59,7 @@ def test_reduce_overhead_equals_eager_with_accumulation():
     bf16 tolerance, and nothing compiles or skips CUDA graphs after warmup."""
     torch._dynamo.reset()
     base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda()
-    settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_groups=1)
+    settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
     eager, graphed = _trainer(copy.deepcopy(base), None), _trainer(copy.deepcopy(base), settings)
     spec = AnchorSpec(8, 16, 0)
     data = {

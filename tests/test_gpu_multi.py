@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from runs import TINY, free_port, read_metrics
 
 from dflash.protocol import Protocol, Timeouts
 from dflash.topology import Topology
-from runs import TINY, free_port, read_metrics
 
 pytestmark = pytest.mark.gpu
 

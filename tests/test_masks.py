@@ -9,7 +9,7 @@ from dflash.masks import build_mask, dense_mask, dflash_mask_mod
 
 
 def reference_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Plain loops over DESIGN section 1: strict context, bidirectional own block, no other block."""
+    """Plain loops over docs/DESIGN.md section 1: strict context, bidirectional own block, no other block."""
     b, n = anchors.shape
     q_len, kv_len = n * block_size, ctx_len + n * block_size
     out = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from runs import free_port
 
 from dflash.protocol import Protocol, Timeouts
 from dflash.topology import Topology
 from dflash.watchdog import EXIT_CODE
-from runs import free_port
 
 
 def _protocol(rank: int, world: int, targets: int, port: int, timeouts: Timeouts) -> Protocol:
@@ -50,7 +50,7 @@ def _every_phase(rank: int, world: int, targets: int, port: int, out: str) -> No
         proto.export_written()
         summaries = proto.summaries({"rank": rank})
         proto.close()
-        return steps, start, [r["group"] for r in reports], final, [s["rank"] for s in summaries]
+        return steps, start, [r["turn"] for r in reports], final, [s["rank"] for s in summaries]
 
     _record(Path(out), rank, body)
 

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from runs import TINY
 
 ROOT = Path(__file__).resolve().parents[1]

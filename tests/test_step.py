@@ -3,12 +3,11 @@
 import copy
 
 import torch
-
 from conftest import tiny_drafter, tiny_head
+
 from dflash.anchors import sample_anchors, sample_generator
-from dflash.data import MicroBatch
+from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
-from dflash.target import PrefillOutput
 
 BS = 4
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import tiny_target
+
 from dflash.model import default_target_layer_ids
 from dflash.target import Target, resolve_mask_token_id
 
@@ -55,7 +55,7 @@ def test_compiled_layers_equal_eager_with_one_graph_per_length():
     target = Target(tiny_target(), [1, 2, 3])
     ids = torch.randint(0, 90, (2, 32))
     eager = target.prefill(ids, topk=4)
-    target.compile(CompileSettings(drafter=True, target=True, backend="aot_eager", mode=None, strict=True, warmup_groups=1))
+    target.compile(CompileSettings(drafter=True, target=True, backend="aot_eager", mode=None, strict=True, warmup_turns=1))
     before = compile_counts()["graphs"]
     compiled = target.prefill(ids, topk=4)
     target.prefill(ids[:, :16])
@@ -94,10 +94,10 @@ def test_mask_token_must_be_inside_the_embedding():
 
 
 def test_load_head_reads_only_embedding_and_lm_head(tmp_path):
-    from dflash.target import load_head
+    from dflash.target import TargetSource
 
     model = tiny_target()
     model.save_pretrained(tmp_path, safe_serialization=True)
-    head = load_head(str(tmp_path), torch.device("cpu"), torch.float32)
+    head = TargetSource(str(tmp_path)).head(torch.device("cpu"), torch.float32)
     assert torch.equal(head.embed_weight, model.get_input_embeddings().weight)
     assert torch.equal(head.lm_head_weight, model.get_output_embeddings().weight)

@@ -17,19 +17,19 @@ CASES = [(t, d, a) for t, d, a in itertools.product((1, 2, 3, 5), (1, 2, 3, 7), 
 @pytest.mark.parametrize("t,d,a", CASES)
 def test_every_send_has_exactly_one_receive(t, d, a):
     tp = topo(t, d, a)
-    first, last = 2 * tp.micro_per_step, 7 * tp.micro_per_step
+    first, last = 2 * (tp.accumulation * tp.num_drafters), 7 * (tp.accumulation * tp.num_drafters)
     sent = sorted(m for target in range(t) for m in tp.produced_by(target, first, last))
     received = sorted(m for drafter in tp.drafter_ranks for m in tp.consumed_by(drafter, first, last))
     assert sent == received == list(range(first, last))
     for drafter in tp.drafter_ranks:
-        per_step = [m // tp.micro_per_step for m in tp.consumed_by(drafter, first, last)]
+        per_step = [m // (tp.accumulation * tp.num_drafters) for m in tp.consumed_by(drafter, first, last)]
         assert all(per_step.count(s) == a for s in set(per_step)), "each drafter runs A micro-batches per step"
 
 
 def simulate(tp: Topology, steps: int, in_flight: int) -> None:
     """Targets send in order with at most ``in_flight`` unreceived sends; drafters receive
     in order and all-reduce after every step. Raises on a state where nobody can move."""
-    last = steps * tp.micro_per_step
+    last = steps * (tp.accumulation * tp.num_drafters)
     todo_send = {t: tp.produced_by(t, 0, last) for t in range(tp.num_targets)}
     todo_recv = {d: tp.consumed_by(d, 0, last) for d in tp.drafter_ranks}
     queues = {(t, d): [] for t in range(tp.num_targets) for d in tp.drafter_ranks}
@@ -47,14 +47,14 @@ def simulate(tp: Topology, steps: int, in_flight: int) -> None:
             if not todo:
                 continue
             m = todo[0]
-            step = m // tp.micro_per_step
+            step = m // (tp.accumulation * tp.num_drafters)
             queue = queues[(tp.producer(m), d)]
             if min(done_steps.values()) >= step and queue:
                 assert queue[0] == m, "messages on a pair arrive in the order the drafter needs them"
                 queue.pop(0)
                 todo.pop(0)
                 outstanding[tp.producer(m)] -= 1
-                if not todo or todo[0] // tp.micro_per_step != step:
+                if not todo or todo[0] // (tp.accumulation * tp.num_drafters) != step:
                     done_steps[d] = step + 1
                 moved = True
         if not moved:

@@ -6,9 +6,8 @@ import shutil
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from safetensors.torch import load_file
-
 from runs import compose_cfg, read_metrics, run_colocated, run_disaggregated
+from safetensors.torch import load_file
 
 
 def test_colocated_run_writes_every_output(tmp_path):
@@ -54,7 +53,7 @@ def test_unknown_keys_are_errors():
 
 
 def test_auto_split_counts_both_models():
-    from dflash.train import auto_split
+    from dflash.build import auto_split, build_job
 
     for world in (2, 4, 8):
-        assert 1 <= auto_split(compose_cfg([]), world) <= world - 1
+        assert 1 <= auto_split(build_job(compose_cfg([])), world) <= world - 1

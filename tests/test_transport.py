@@ -6,11 +6,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from dflash.data import MicroBatch
-from dflash.target import PrefillOutput
-from dflash.transport import BundleReceiver, BundleSender, Expected
 from runs import free_port
+
+from dflash.bundle import MicroBatch, PrefillOutput
+from dflash.transport import BundleReceiver, BundleSender, Expected
 
 
 def bundle(feature_dim=12, topk=3):
@@ -36,12 +35,13 @@ def _worker(rank, port, out, feature_dim):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     group = dist.new_group([0, 1])
     cpu = torch.device("cpu")
-    sender = BundleSender({1: group}, cpu)  # alive until exit: it owns the buffers in flight
+    sender = BundleSender({1: group}, cpu, block_size=4)  # alive until exit: it owns the buffers in flight
     if rank == 0:
         batch, prefill = bundle(feature_dim)
         sender.send(1, 7, batch, prefill)
     else:
-        expected = Expected(max_batch=2, num_anchors=3, feature_dim=12, feature_dtype=torch.bfloat16, topk=3, buckets=[16])
+        expected = Expected(max_batch=2, num_anchors=3, feature_dim=12, feature_dtype=torch.bfloat16, topk=3, buckets=[16],
+                            block_size=4)
         try:
             _, batch, prefill = BundleReceiver({0: group}, cpu, expected).receive(0, 7)
             torch.save({"batch": batch.__dict__, "prefill": prefill.__dict__}, out)

@@ -150,13 +150,13 @@ def main() -> None:
         report["warmup"] = {}
         for name, groups in (("all_at_once", 1), ("staggered", 2)):
             fresh = {"TORCHINDUCTOR_CACHE_DIR": str(work / f"inductor_{name}")}
-            overrides = base + ["topology.target_ranks=1", f"compile.warmup_groups={groups}", "train.max_steps=2",
+            overrides = base + ["topology.target_ranks=1", f"compile.warmup_turns={groups}", "train.max_steps=2",
                                 f"train.batch_size={nproc - 1}"]
             result = run(nproc, overrides, work / f"warmup_{name}", fresh)
             ranks = result["warmup"]
             report["warmup"][name] = {
                 "span_s": round(max(r["ended"] for r in ranks) - min(r["began"] for r in ranks), 1),
-                "ranks": [{k: r[k] for k in ("rank", "role", "group", "wall_s", "fx_cache_hits", "aot_cache_hits")}
+                "ranks": [{k: r[k] for k in ("rank", "role", "turn", "wall_s", "fx_cache_hits", "aot_cache_hits")}
                           for r in ranks],
             }
             save()

@@ -1,0 +1,321 @@
+"""What each kind of rank runs: the shared step loop, colocated, target and drafter.
+
+Colocated, one process runs the target prefill then the drafter step for each
+micro-batch. Disaggregated, target ranks produce bundles in schedule order and
+drafter ranks train on them; both walk the phases of :class:`dflash.protocol.Protocol`
+in one order. Each role returns its end-of-run summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.build import Job, TargetSide, build_target_side, build_trainer, warm_drafter
+from dflash.bundle import MicroBatch, PrefillOutput
+from dflash.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from dflash.compile import CompileGuard, share_compile_threads, staggered_warmup, warmup_turn
+from dflash.export import save_export
+from dflash.metrics import MetricsLogger
+from dflash.protocol import Protocol
+from dflash.step import DrafterTrainer
+from dflash.target import resolve_mask_token_id
+from dflash.topology import Topology
+from dflash.transport import FLAG_ABORT, FLAG_END, BundleReceiver, BundleSender, PipelineCounters
+
+log = logging.getLogger(__name__)
+
+Feed = Callable[[int], Iterator[tuple[MicroBatch, PrefillOutput]]]
+
+
+def log_warmup(cfg: DictConfig, reports: list[dict]) -> None:
+    """One line per rank and ``warmup.json``: who compiled, who loaded from the cache."""
+    lines = [
+        f"  rank {r['rank']} ({r['role']}, turn {r['turn']}): {r['wall_s']:.1f} s, {r['graphs']} graphs, "
+        f"FX cache {r['fx_cache_hits']} hits / {r['fx_cache_misses']} misses, "
+        f"AOT cache {r['aot_cache_hits']} hits / {r['aot_cache_misses']} misses"
+        for r in reports
+    ]
+    log.info("compile warmup:\n%s", "\n".join(lines))
+    (Path(cfg.output_dir) / "warmup.json").write_text(json.dumps(reports, indent=1))
+
+
+class StopRequested:
+    """SIGTERM flips a flag; training checkpoints at the next step boundary and exits."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        log.warning("SIGTERM: checkpointing at the end of this step")
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def agree(flag: bool, device: torch.device, group) -> bool:
+    """True on every drafter rank if it is true on any (so all stop at one step)."""
+    if group is None:
+        return flag
+    vote = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
+    return bool(vote.item())
+
+
+def run_steps(
+    cfg: DictConfig,
+    trainer: DrafterTrainer,
+    feed: Feed,
+    start: int,
+    steps: int,
+    metrics: MetricsLogger,
+    guard: CompileGuard,
+    proto: Protocol | None = None,
+    pipeline: Callable[[], dict] | None = None,
+) -> int:
+    """The optimizer-step loop shared by the colocated and drafter roles; ``proto`` is
+    None in one process. Returns the last completed step."""
+    train, ckpt_root = cfg.train, Path(cfg.output_dir) / "checkpoints"
+    group = proto.drafters if proto else None
+    others = [r for r in proto.topo.drafter_ranks if r != proto.rank] if proto else []
+
+    def bounded(what: str):
+        return proto.phase(what, proto.timeouts.step_s, others) if proto else nullcontext()
+
+    stop = StopRequested()
+    in_a_row, skipped = 0, 0
+    step = start
+    try:
+        while step < steps:
+            for batch, prefill in feed(step):
+                trainer.micro_step(batch, prefill)
+            with bounded(f"reducing the gradients of step {step + 1}"):
+                result = trainer.finish(group)
+                extra = pipeline() if pipeline else {}
+                stopping = agree(stop.requested, trainer.device, group)
+            step += 1
+            extra.update(guard.check(f"step {step}"))
+            if result is None:
+                skipped += 1
+                in_a_row += 1
+                log.warning("step %d skipped: no valid anchor or a non-finite loss (%d in a row)", step, in_a_row)
+                if in_a_row >= train.max_nonfinite:
+                    raise RuntimeError(f"{in_a_row} steps in a row had no valid anchor or a non-finite loss")
+            else:
+                in_a_row = 0
+                metrics.count(result)
+                if step % train.log_every == 0 or step == steps:
+                    metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stopping:
+                with bounded(f"saving the checkpoint of step {step}"):
+                    save_checkpoint(ckpt_root, step, trainer.drafter, trainer.optimizer, trainer.scheduler,
+                                    cfg.checkpoint.keep, group)
+            if stopping:
+                log.warning("stopped at step %d; run again with resume=auto to continue", step)
+                break
+    finally:
+        stop.restore()
+    return step
+
+
+def resume_step(cfg: DictConfig, trainer: DrafterTrainer, group=None) -> int:
+    path = resolve_resume(str(cfg.resume), Path(cfg.output_dir) / "checkpoints")
+    if path is None:
+        return 0
+    step = load_checkpoint(path, trainer.drafter, trainer.optimizer, trainer.scheduler, group)
+    log.info("resumed from %s at step %d", path, step)
+    return step
+
+
+def export_drafter(cfg: DictConfig, trainer: DrafterTrainer, device: torch.device) -> Path:
+    export_dir = save_export(trainer.drafter, Path(cfg.output_dir) / "export", "bfloat16" if device.type == "cuda" else "float32")
+    log.info("exported the drafter to %s", export_dir)
+    return export_dir
+
+
+def evaluate_export(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict:
+    """Speculative decoding with the exported drafter on held-out prompts."""
+    from dflash.eval import evaluate_datasets, format_table
+
+    side.target.uncompile()
+    report = evaluate_datasets(
+        side.target.model, side.tokenizer, export_dir, side.target.head(), {"heldout": cfg.data.eval_path},
+        cfg.eval.max_prompts, cfg.eval.max_new_tokens, Path(cfg.output_dir) / "eval.json", target_name=cfg.target.path,
+    )
+    log.info("speculative decoding with the export (%s):\n%s", Path(cfg.output_dir) / "eval.json", format_table(report))
+    return report
+
+
+def run_colocated(job: Job) -> dict:
+    cfg, plan, device = job.cfg, job.plan, job.device
+    side = build_target_side(job)
+    head = side.target.head()
+    mask_id = resolve_mask_token_id(side.tokenizer, head.vocab_size, cfg.target.mask_token_id)
+    steps = plan.total_steps(len(side.dataset))
+    trainer = build_trainer(job, head, mask_id, steps)
+    start = resume_step(cfg, trainer)
+
+    def warm() -> None:
+        if job.compile.target:
+            side.warm()
+        warm_drafter(plan, trainer, job.dtype)
+
+    report = staggered_warmup(warm, 0, 1)
+    log_warmup(cfg, [{"rank": 0, "role": "colocated", **report}])
+    guard = CompileGuard(job.compile.strict)
+    guard.arm()
+    per_step = plan.micro_per_step
+
+    def feed(step: int):
+        return (side.produce(m) for m in range(step * per_step, (step + 1) * per_step))
+
+    metrics = MetricsLogger(
+        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
+    )
+    started = time.perf_counter()
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard)
+    summary = {
+        "steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"],
+        "peak_gib": peak_memory_gib(device),
+    }
+    if step == steps:
+        export_dir = export_drafter(cfg, trainer, device)
+        if cfg.eval.enabled and cfg.data.eval_path:
+            report = evaluate_export(cfg, side, export_dir)
+            summary.update(eval_tau=report["tau"], lossless=report["lossless"])
+    metrics.close(summary)
+    return summary
+
+
+def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], None]) -> None:
+    """This rank's turn in the staggered warmup; the metrics rank records what each rank
+    compiled or loaded."""
+    turns = job.compile.warmup_turns
+
+    def turn(rank: int) -> int:
+        index = rank if rank < topo.num_targets else rank - topo.num_targets
+        return warmup_turn(index == 0, index, turns)
+
+    mine = turn(topo.rank)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    node = range(topo.rank - topo.rank % per_node, topo.rank - topo.rank % per_node + per_node)
+    share_compile_threads(sum(turn(r) == mine for r in node))
+    reports = proto.warmup(warm, mine, turns)
+    if topo.rank == topo.metrics_rank:
+        log_warmup(job.cfg, reports)
+
+
+def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
+    """Produce this rank's micro-batches in schedule order and send each to its drafter,
+    until the data ends or the drafters say training stopped."""
+    cfg, plan, device = job.cfg, job.plan, job.device
+    side = build_target_side(job)
+    steps = proto.agree_steps(plan.total_steps(len(side.dataset)))
+    start = proto.agree_start(None)
+    warm_in_turn(job, topo, proto, lambda: side.warm() if job.compile.target else None)
+    guard = CompileGuard(job.compile.strict)
+    guard.arm()
+    sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, cfg.topology.max_in_flight)
+    first, last = start * plan.micro_per_step, steps * plan.micro_per_step
+    signal.signal(signal.SIGTERM, lambda *_: log.warning("SIGTERM: producing until the drafters have checkpointed"))
+    try:
+        for m in topo.produced_by(topo.rank, first, last):
+            if proto.stopped():
+                break
+            drafter = topo.consumer(m)
+            with proto.phase(f"producing micro-batch {m} for drafter {drafter}", proto.timeouts.step_s, [drafter]):
+                batch, prefill = side.produce(m)
+                guard.check(f"target rank {topo.rank}, micro-batch {m}")
+                sender.send(drafter, m, batch, prefill)
+    except BaseException:
+        for drafter in topo.drafter_ranks:
+            sender.send_flag(drafter, -1, FLAG_ABORT)
+        raise
+    for drafter in topo.drafter_ranks:
+        sender.send_flag(drafter, last, FLAG_END)
+    with proto.phase("delivering the last bundles", proto.timeouts.step_s, topo.drafter_ranks):
+        sender.drain()
+    final_step = proto.final_step()
+    proto.export_written()
+    summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
+    record_ranks(cfg, proto, summary, device)
+    if topo.rank == 0 and final_step == steps and cfg.eval.enabled and cfg.data.eval_path:
+        report = evaluate_export(cfg, side, Path(cfg.output_dir) / "export")
+        summary.update(eval_tau=report["tau"], lossless=report["lossless"])
+    return summary
+
+
+def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
+    """Receive bundles in schedule order, train, reduce over the drafter group."""
+    cfg, plan, device = job.cfg, job.plan, job.device
+    head = job.source.head(device, job.dtype)
+    mask_id = resolve_mask_token_id(job.source.tokenizer(), head.vocab_size, cfg.target.mask_token_id)
+    steps = proto.agree_steps(None)
+    trainer = build_trainer(job, head, mask_id, steps)
+    others = [r for r in topo.drafter_ranks if r != topo.rank]
+    with proto.phase("reading the checkpoint to resume from", proto.timeouts.warmup_s, others):
+        resumed = resume_step(cfg, trainer, proto.drafters)
+    start = proto.agree_start(resumed)
+    warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))
+    guard = CompileGuard(job.compile.strict)
+    guard.arm()
+    receiver = BundleReceiver(proto.pairs_of_drafter(), device, plan.expected(job.dtype))
+    per_step = plan.micro_per_step
+
+    def feed(step: int):
+        for m in topo.consumed_by(topo.rank, step * per_step, (step + 1) * per_step):
+            producer = topo.producer(m)
+            with proto.phase(f"receiving micro-batch {m}", proto.timeouts.step_s, [producer]):
+                _, batch, prefill = receiver.receive(producer, m)
+            yield batch, prefill
+
+    is_metrics = topo.rank == topo.metrics_rank
+    metrics = MetricsLogger(
+        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
+    )
+    counters = PipelineCounters(receiver, topo.num_targets, proto.drafters, device)
+    started = time.perf_counter()
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, proto, counters.step)
+    if is_metrics:
+        proto.announce_stop(step)
+    for target in range(topo.num_targets):
+        with proto.phase(f"receiving the end of data from target {target}", proto.timeouts.step_s, [target]):
+            unused = receiver.drain(target)
+        if step == steps and unused:
+            raise RuntimeError(f"rank {topo.rank}: target {target} sent {unused} bundles past the last step")
+    summary = {
+        "role": "drafter", "steps": step, "train_s": round(time.perf_counter() - started, 1),
+        "receive_wait_s": round(receiver.wait_s, 2), "bytes_received": receiver.bytes_received,
+    }
+    if is_metrics and step == steps:
+        export_drafter(cfg, trainer, device)
+    proto.export_written()
+    record_ranks(cfg, proto, summary, device)
+    metrics.close(summary)
+    return summary
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def record_ranks(cfg: DictConfig, proto: Protocol, summary: dict, device: torch.device) -> None:
+    """``ranks.json``: every rank's end-of-run summary and peak GPU memory, side by side."""
+    summary.update(rank=proto.rank, peak_gib=peak_memory_gib(device))
+    summaries = proto.summaries(summary)
+    if proto.rank == proto.topo.metrics_rank:
+        (Path(cfg.output_dir) / "ranks.json").write_text(json.dumps(summaries, indent=1))
+
+
