@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dflash.files import publish, staging_dir
@@ -32,11 +33,6 @@ SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled.*"  # DCP's note on co
 def checkpoints(root: Path) -> list[Path]:
     found = [p for p in root.glob("step_*") if p.is_dir() and STEP_DIR.match(p.name)]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = checkpoints(root) if root.is_dir() else []
-    return found[-1] if found else None
 
 
 def save_checkpoint(
@@ -69,6 +65,10 @@ def save_checkpoint(
     return final
 
 
+class UnreadableCheckpoint(RuntimeError):
+    """A checkpoint directory that DCP cannot load (incomplete, truncated, or not one)."""
+
+
 def load_checkpoint(
     path: Path,
     model: torch.nn.Module,
@@ -81,19 +81,24 @@ def load_checkpoint(
     state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": 0}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        dcp.load(state, checkpoint_id=str(path), process_group=group)
+        try:
+            dcp.load(state, checkpoint_id=str(path), process_group=group)
+        except CheckpointException as e:  # a BaseException: would pass through `except Exception`
+            reasons = {str(f).strip().splitlines()[-1] for f in e.failures.values()}
+            raise UnreadableCheckpoint(f"{path}: {'; '.join(sorted(reasons))}") from None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])
 
 
-def resolve_resume(resume: str, root: Path) -> Path | None:
-    """``auto``: the newest checkpoint under ``root`` if any; ``never``; or a path."""
+def resume_candidates(resume: str, root: Path) -> list[Path]:
+    """Checkpoints to try, in order: ``auto``: every one under ``root``, newest first
+    (an unreadable one falls back to the one before); ``never``: none; or one path."""
     if resume == "never":
-        return None
+        return []
     if resume == "auto":
-        return latest_checkpoint(root)
+        return checkpoints(root)[::-1] if root.is_dir() else []
     path = Path(resume)
     if not path.is_dir():
         raise FileNotFoundError(f"resume={resume!r} is not a checkpoint directory")
-    return path
+    return [path]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -17,6 +18,17 @@ import torch
 from dflash.loss import tau_sim
 
 log = logging.getLogger(__name__)
+
+
+def wandb_run_id(output_dir: Path, start_step: int) -> str:
+    """The W&B run id of this output directory: a resumed run continues the run it
+    started as (its charts go on where they stopped), a fresh one gets a new id."""
+    path = output_dir / "wandb_run_id"
+    if start_step > 0 and path.is_file():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:12]
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 class MetricsLogger:
@@ -35,6 +47,8 @@ class MetricsLogger:
                 mode=wandb_cfg["mode"],
                 dir=str(output_dir),
                 config=run_config,
+                id=wandb_run_id(output_dir, start_step),
+                resume="allow",
             )
         self._last = time.perf_counter()
         self._samples = self._tokens = 0

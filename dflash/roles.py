@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.build import Job, TargetSide, build_target_side, build_trainer, warm_drafter
 from dflash.bundle import MicroBatch, PrefillOutput
-from dflash.checkpoint import load_checkpoint, resolve_resume, save_checkpoint
+from dflash.checkpoint import load_checkpoint, resume_candidates, save_checkpoint
 from dflash.compile import CompileGuard, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.export import save_export
 from dflash.metrics import MetricsLogger
@@ -131,12 +131,25 @@ def run_steps(
 
 
 def resume_step(cfg: DictConfig, trainer: DrafterTrainer, group=None) -> int:
-    path = resolve_resume(str(cfg.resume), Path(cfg.output_dir) / "checkpoints")
-    if path is None:
-        return 0
-    step = load_checkpoint(path, trainer.drafter, trainer.optimizer, trainer.scheduler, group)
-    log.info("resumed from %s at step %d", path, step)
-    return step
+    """Load the newest readable checkpoint (``resume``) and return its step; 0 for none.
+    Under ``resume=auto`` a checkpoint that is incomplete or unreadable is skipped
+    with a warning, falling back to the one before."""
+    candidates = resume_candidates(str(cfg.resume), Path(cfg.output_dir) / "checkpoints")
+    for i, path in enumerate(candidates):
+        try:
+            step = load_checkpoint(path, trainer.drafter, trainer.optimizer, trainer.scheduler, group)
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back alike
+            if i + 1 == len(candidates):
+                raise RuntimeError(
+                    f"no readable checkpoint under {Path(cfg.output_dir) / 'checkpoints'} (last tried {path}: {e}); "
+                    "resume=never starts over"
+                ) from e
+            log.warning("checkpoint %s is unreadable (%s: %s); falling back to %s", path, type(e).__name__, e,
+                        candidates[i + 1])
+            continue
+        log.info("resumed from %s at step %d", path, step)
+        return step
+    return 0
 
 
 def export_drafter(cfg: DictConfig, trainer: DrafterTrainer, device: torch.device) -> Path:
