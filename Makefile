@@ -13,10 +13,12 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 
-# one target process and one drafter process; the run ends with speculative decoding on held-out prompts
+# one target process and one drafter process; the run ends with speculative decoding on held-out
+# prompts, then the pictures of the run in outputs/demo/report/
 demo: install
 	rm -rf outputs/demo
 	PYTHON=$(PY) NPROC=2 ./launch.sh topology.target_ranks=1
+	$(PY) -m dflash.report outputs/demo
 
 test: install
 	$(PY) -m pytest -q -m "not gpu"

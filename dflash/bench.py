@@ -37,7 +37,8 @@ import torch.multiprocessing as mp
 from dflash.build import Job, build_job, build_trainer, compose_config, warm_drafter
 from dflash.bundle import random_batch, random_prefill
 from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
-from dflash.model import DrafterConfig, TargetHead
+from dflash.estimate import drafter_flops, prefill_flops
+from dflash.model import TargetHead
 from dflash.protocol import free_port, set_rank_env
 from dflash.roles import peak_memory_gib
 from dflash.target import RANDOM, Target, random_target
@@ -55,35 +56,6 @@ def bench_job(overrides: list[str]) -> Job:
     if cfg.target.get("shape"):
         cfg.target.path = RANDOM
     return build_job(cfg)
-
-
-def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int) -> float:
-    """Training FLOPs of one sequence, counted as in docs/DESIGN.md section 6."""
-    h, kv = d.hidden_size, d.num_key_value_heads * d.head_dim
-    q = d.num_attention_heads * d.head_dim
-    layer_linear = h * q * 2 + h * kv * 2 + 3 * h * d.intermediate_size
-    tq = num_anchors * d.block_size
-    return (
-        6 * layer_linear * d.num_layers * tq
-        + 6 * (2 * h * kv) * d.num_layers * seq_len
-        + 6 * (len(d.target_layer_ids) * h * h) * seq_len
-        + 4 * h * vocab_size * tq
-        + 12 * q * ((seq_len - d.block_size) / 2 + d.block_size) * tq * d.num_layers
-    )
-
-
-def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool) -> float:
-    """Inference FLOPs of one sequence: 2 x params x tokens over the decoder layers (and
-    the LM head when it runs), plus causal attention."""
-    text = model.config.get_text_config()
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    params = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
-    if with_head:
-        params += head.numel()
-    q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    attention = text.num_hidden_layers * 4 * q * seq_len * (seq_len + 1) / 2
-    return 2 * params * seq_len + attention
 
 
 def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash.bundle import MicroBatch, PrefillOutput, random_batch, random_prefill
@@ -22,7 +22,7 @@ from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.plan import Plan, resolve_plan
 from dflash.protocol import Timeouts
 from dflash.step import DrafterTrainer, build_optimizer, cosine_schedule
-from dflash.target import Target, TargetSource
+from dflash.target import RANDOM, Target, TargetSource
 from dflash.topology import Topology, auto_target_ranks
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,15 @@ def pick_device() -> tuple[torch.device, torch.dtype]:
 
 
 def target_source(cfg: DictConfig) -> TargetSource:
+    """``target.*`` as a source. A dry run plans from the preset's shape when the
+    weights are not at hand (no ``target.path`` given, or not on this machine)."""
     target = cfg.target
-    return TargetSource(target.path, target.trust_remote_code, target.get("shape"), cfg.train.seed)
+    path = None if OmegaConf.is_missing(target, "path") else target.path
+    absent = path is None or (path not in (RANDOM, "demo") and not Path(path).expanduser().is_dir())
+    if cfg.dry_run and absent and target.get("shape"):
+        path = RANDOM
+    return TargetSource(path if path is not None else target.path, target.trust_remote_code, target.get("shape"),
+                        cfg.train.seed)
 
 
 def build_job(cfg: DictConfig) -> Job:

@@ -7,6 +7,7 @@ sums so every sink sees the same numbers.
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import time
@@ -50,7 +51,8 @@ class MetricsLogger:
                 id=wandb_run_id(output_dir, start_step),
                 resume="allow",
             )
-        self._last = time.perf_counter()
+        self._last = self._began = time.perf_counter()
+        self._start_step = start_step
         self._samples = self._tokens = 0
 
     def _keep_until(self, step: int) -> None:
@@ -86,10 +88,12 @@ class MetricsLogger:
                 fh.write(json.dumps(record) + "\n")
             if self.run is not None:
                 self.run.log(record, step=step)
+            per_step = (now - self._began) / max(1, step - self._start_step)
+            eta = datetime.timedelta(seconds=round(per_step * (total_steps - step)))
             log.info(
-                "step %d/%d loss %.4f tau_sim %.3f acc_1 %.3f lr %.2e %.1f samples/s",
+                "step %d/%d loss %.4f tau_sim %.3f acc_1 %.3f lr %.2e %.1f samples/s ETA %s",
                 step, total_steps, record["loss"], record["tau_sim"], record.get("acc_1", 0.0), record["lr"],
-                record["samples_per_s"],
+                record["samples_per_s"], eta,
             )
         return record
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import hydra
@@ -27,9 +28,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.build import build_job, build_topology, timeouts
 from dflash.compile import assert_main_thread
+from dflash.estimate import PlanError, check_fits, estimate, format_estimate
 from dflash.protocol import Protocol
 from dflash.roles import run_colocated, run_drafter_rank, run_target_rank
-from dflash.topology import Topology
+from dflash.topology import Topology, TopologyError
+
+log = logging.getLogger("dflash.train")
 
 
 def setup_logging(topo: Topology | None) -> None:
@@ -41,12 +45,34 @@ def setup_logging(topo: Topology | None) -> None:
     logging.basicConfig(level=level, format=f"[rank {topo.rank}] %(asctime)s %(name)s: %(message)s", force=True)
 
 
+def dry_run(cfg: DictConfig, job) -> dict:
+    """Print the plan and return, touching neither weights nor the output directory."""
+    world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
+    try:
+        plan = estimate(job, world, cfg.topology.target_ranks if world > 1 else 0)
+        check_fits(plan)
+    except (TopologyError, PlanError) as e:
+        raise SystemExit(f"dry run: the plan is refused: {e}") from None
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(format_estimate(job, plan), flush=True)
+    return {"dry_run": True}
+
+
 def train(cfg: DictConfig) -> dict:
     """Run this process's role to the end; returns its summary."""
     assert_main_thread()
     job = build_job(cfg)
+    if cfg.dry_run:
+        return dry_run(cfg, job)
     topo = build_topology(job)
     setup_logging(topo)
+    if topo is None or topo.rank == topo.metrics_rank:
+        plan = estimate(job, 1 if topo is None else topo.world_size, topo.num_targets if topo else 0)
+        log.info("%s", format_estimate(job, plan))
+        try:
+            check_fits(plan)
+        except PlanError as e:
+            log.warning("%s (an estimate: the run goes on)", e)
     output_dir = Path(cfg.output_dir)
     if topo is None or topo.rank == 0:
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -76,4 +102,8 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     if int(os.environ.get("RANK", 0)) > 0:
         sys.argv += ["hydra/job_logging=none", "hydra/hydra_logging=none"]
+    if any(arg.lower() in ("dry_run=true", "dry_run=1") for arg in sys.argv[1:]):
+        # Hydra creates its run directory (the output_dir) before the job starts: a dry
+        # run leaves the output directory alone, so Hydra gets a scratch one instead
+        sys.argv += [f"hydra.run.dir={Path(tempfile.gettempdir()) / 'dflash-dry-run'}", "hydra/job_logging=none"]
     main()

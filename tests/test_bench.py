@@ -5,8 +5,9 @@ import json
 import pytest
 import torch
 
-from dflash.bench import bench_job, drafter_flops, format_report, run_bench, run_p2p, run_warmup
+from dflash.bench import bench_job, format_report, run_bench, run_p2p, run_warmup
 from dflash.build import drafter_config
+from dflash.estimate import drafter_flops
 from dflash.model import DFlashDrafter
 
 TINY = ["wandb.mode=disabled", "train.micro_batch_size=2", "train.num_anchors=4", "train.max_len=64",

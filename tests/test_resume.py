@@ -4,7 +4,6 @@ import logging
 import shutil
 
 import pytest
-
 from runs import read_metrics, run_colocated, run_disaggregated
 
 STEPS = ["train.max_steps=8", "checkpoint.every=4", "checkpoint.keep=10"]
