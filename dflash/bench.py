@@ -170,7 +170,7 @@ class Bench:
         target.prefill(ids, self.topk)
         warmup_s = time.perf_counter() - start
         seconds = timed(lambda: target.prefill(ids, self.topk), self.steps, self.device)
-        flops = self.micro * prefill_flops(self.model, self.seq_len, with_head=bool(self.topk))
+        flops = self.micro * prefill_flops(self.model, self.seq_len, bool(self.topk), list(self.job.plan.layer_ids))
         return {
             "role": "target",
             "mode": name,
@@ -229,7 +229,8 @@ def run_bench(
         },
         "peak_tflops": peak_tflops,
         "flop_count": "docs/DESIGN.md section 6: drafter 6*params*tokens (+ context K/V, fc, LM head fwd+input-grad, attention); "
-        "target 2*params*tokens + causal attention",
+        "target 2*params*tokens + causal attention over the layers that run (up to the last captured one "
+        "without top-k logits)",
         "rows": rows,
         "profile": bench.profile_table,
     }

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from dflash.build import Job, drafter_config
 from dflash.bundle import present
 from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.target import decoder_layers
 from dflash.topology import Topology, auto_target_ranks
 
 GIB = 2**30
@@ -50,17 +51,18 @@ def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: 
     )
 
 
-def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool) -> float:
-    """Inference FLOPs of one sequence: 2 x params x tokens over the decoder layers (and
-    the LM head when it runs), plus causal attention."""
+def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int]) -> float:
+    """Inference FLOPs of one sequence over the decoder layers that run: 2 x params x
+    tokens plus causal attention. Without the LM head the prefill stops after the last
+    captured layer (``Target.prefill``); with it, every layer and the head run."""
     text = model.config.get_text_config()
-    embed = model.get_input_embeddings().weight
-    head = model.get_output_embeddings().weight
-    params = sum(p.numel() for p in model.parameters() if p is not embed and p is not head)
+    layers = decoder_layers(model)
+    run = len(layers) if with_head else max(layer_ids) + 1
+    params = sum(p.numel() for layer in layers[:run] for p in layer.parameters())
     if with_head:
-        params += head.numel()
+        params += model.get_output_embeddings().weight.numel()
     q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    attention = text.num_hidden_layers * 4 * q * seq_len * (seq_len + 1) / 2
+    attention = run * 4 * q * seq_len * (seq_len + 1) / 2
     return 2 * params * seq_len + attention
 
 
@@ -142,7 +144,7 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
     head_params = embed.numel() + (0 if lm_head is embed else lm_head.numel())
     drafter_params = sum(p.numel() for p in drafter.parameters())
     seq_len = next((b for b in plan.buckets if b >= plan.max_len), max(plan.buckets))  # the longest padding
-    t_flops = prefill_flops(target, seq_len, with_head=bool(plan.topk))
+    t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids))
     d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size)
     auto = auto_target_ranks(world_size, target_params, drafter_params + lm_head.numel(), plan.num_anchors,
                              plan.max_len) if world_size > 1 else 0

@@ -72,6 +72,10 @@ def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
     return configured
 
 
+class _AllCaptured(Exception):
+    """Raised by the last capture hook to end a prefill whose layers beyond are not needed."""
+
+
 class Target:
     """A frozen HF causal LM that yields context features for the drafter."""
 
@@ -86,6 +90,7 @@ class Target:
         self.layer_ids = list(layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
+        self._stop_after: int | None = None
         for i in set(layer_ids):
             layers[i].register_forward_hook(self._hook(i))
 
@@ -93,6 +98,8 @@ class Target:
         def hook(_module, _inputs, output):
             if self._capturing:
                 self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+                if layer_id == self._stop_after:
+                    raise _AllCaptured
 
         return hook
 
@@ -129,11 +136,18 @@ class Target:
                 out = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=0)
                 values, indices = out.logits.float().topk(topk, dim=-1)
             else:
-                self.model.get_decoder()(input_ids=input_ids, use_cache=False)
+                # Without the logits, nothing after the last captured layer is needed: for
+                # Qwen3-8B (ids up to 33 of 36) two layers and the final norm are skipped.
+                self._stop_after = max(self.layer_ids)
+                try:
+                    self.model.get_decoder()(input_ids=input_ids, use_cache=False)
+                except _AllCaptured:
+                    pass
                 values = indices = None
             features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         finally:
             self._capturing = False
+            self._stop_after = None
             self._captured.clear()
         return PrefillOutput(features, values, indices)
 

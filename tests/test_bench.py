@@ -52,3 +52,20 @@ def test_p2p_bench_sends_bundles_between_two_ranks():
     assert report["backend"] == "gloo" and report["bundle_mb"] > 0.32
     assert report["bundle_gb_per_s"] > 0 and report["raw_gb_per_s"] > 0
     assert "GB/s" in format_report({"p2p": report})
+
+
+def test_prefill_flops_count_only_the_layers_that_run():
+    from transformers import AutoModelForCausalLM
+
+    from dflash.estimate import prefill_flops
+
+    job = bench_job(["target=qwen3_8b", "train=paper"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(job.target_config)
+    ids = list(job.plan.layer_ids)
+    assert ids == [1, 9, 17, 25, 33]
+    # 34 of 36 layers run without top-k logits; all 36 and the LM head with them
+    assert prefill_flops(model, 3072, False, ids) / 1e12 == pytest.approx(42.94, abs=0.01)
+    head = model.get_output_embeddings().weight.numel()
+    full = prefill_flops(model, 3072, True, ids)
+    assert (full - 2 * head * 3072) / 1e12 == pytest.approx(45.46, abs=0.01)

@@ -101,3 +101,21 @@ def test_load_head_reads_only_embedding_and_lm_head(tmp_path):
     head = TargetSource(str(tmp_path)).head(torch.device("cpu"), torch.float32)
     assert torch.equal(head.embed_weight, model.get_input_embeddings().weight)
     assert torch.equal(head.lm_head_weight, model.get_output_embeddings().weight)
+
+
+def test_prefill_stops_after_the_last_captured_layer():
+    """Without top-k logits the layers after the last captured one never run, and the
+    features still equal the full model's hidden states."""
+    model = tiny_target(num_layers=6)
+    ids = torch.randint(0, 90, (2, 12))
+    ran = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda _m, _i, _o, i=i: ran.append(i))
+    target = Target(model, [3, 1])
+    feats = target.prefill(ids).features
+    assert ran == [0, 1, 2, 3]
+    hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(feats, torch.cat([hs[4], hs[2]], dim=-1))
+    ran.clear()
+    target.prefill(ids, topk=3)  # the logits need every layer
+    assert ran == list(range(6))
