@@ -19,10 +19,9 @@ from dflash.loss import decay_weights
 
 @dataclass(frozen=True)
 class AnchorSpec:
-    """How anchors are drawn: how many per sequence, for which block size, from which seed."""
+    """How anchors are drawn: how many per sequence, from which seed."""
 
     num_anchors: int
-    block_size: int
     seed: int
 
 
@@ -31,17 +30,21 @@ def sample_generator(seed: int, epoch: int, sample_index: int) -> torch.Generato
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
-def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchors uniformly among response tokens that leave room for a whole block.
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors uniformly among response tokens whose next token is a response token.
+
+    A block may run past the end of the reply or of the sequence: ``make_blocks``
+    gives those slots no loss. Requiring room for a whole block instead would never
+    anchor in a reply's last ``B - 1`` tokens, so its end (the end-of-turn token
+    above all) would be taught only in late, lightly weighted slots, while at
+    serving time the drafter drafts from anchors right there.
 
     ``loss_mask`` is one unpadded sequence ``[L]``. Returns ``anchors [n]`` sorted
     ascending (unfilled slots are 0 and sit at the end) and ``keep [n]``.
     """
     length = loss_mask.shape[0]
-    positions = torch.arange(length)
-    valid = loss_mask.bool() & (positions + block_size <= length)
+    supervised = loss_mask.bool()
+    valid = supervised & torch.cat([supervised[1:], supervised.new_zeros(1)])
     keys = torch.rand(length, generator=generator)
     keys = torch.where(valid, keys, 2.0)
     if length < num_anchors:

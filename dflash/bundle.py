@@ -96,7 +96,7 @@ def random_batch(batch: int, seq_len: int, vocab_size: int, spec: AnchorSpec, se
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
     mask = torch.ones_like(ids)
-    drawn = [sample_anchors(mask[r], spec.num_anchors, spec.block_size, g) for r in range(batch)]
+    drawn = [sample_anchors(mask[r], spec.num_anchors, g) for r in range(batch)]
     anchors = torch.stack([a for a, _ in drawn])
     keep = torch.stack([k for _, k in drawn])
     return MicroBatch(ids, mask, torch.full((batch,), seq_len), anchors, keep, epoch=0)

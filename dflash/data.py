@@ -160,6 +160,8 @@ def load_dataset(
                         raise BadRecord(f"too long: {len(ids)} tokens > train.max_len={max_len}")
                     if sum(mask) < min_loss_tokens:
                         raise BadRecord(f"too short: fewer than {min_loss_tokens} response tokens")
+                    if not any(a and b for a, b in zip(mask, mask[1:])):
+                        raise BadRecord("no anchor: no response token is followed by another")
                 except UnicodeDecodeError:
                     reason = "bad UTF-8"
                 except json.JSONDecodeError:
@@ -234,7 +236,7 @@ def collate(
         n = len(row.input_ids)
         ids[r, :n] = torch.as_tensor(row.input_ids)
         mask[r, :n] = torch.as_tensor(row.loss_mask)
-        a, k = sample_anchors(mask[r, :n], spec.num_anchors, spec.block_size, sample_generator(spec.seed, epoch, int(i)))
+        a, k = sample_anchors(mask[r, :n], spec.num_anchors, sample_generator(spec.seed, epoch, int(i)))
         anchors.append(a)
         keep.append(k)
     return MicroBatch(ids, mask, torch.tensor(lengths), torch.stack(anchors), torch.stack(keep), epoch)

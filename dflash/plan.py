@@ -48,7 +48,7 @@ class Plan:
         return self.batch_size // self.micro_batch_size
 
     def anchor_spec(self) -> AnchorSpec:
-        return AnchorSpec(self.num_anchors, self.block_size, self.seed)
+        return AnchorSpec(self.num_anchors, self.seed)
 
     def sample_order(self, num_samples: int) -> SampleOrder:
         return SampleOrder(num_samples, self.batch_size, self.micro_batch_size, self.seed)

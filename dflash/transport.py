@@ -174,7 +174,7 @@ class BundleReceiver:
         if h.topk != e.topk:
             problems.append(f"top-k {h.topk}, expected loss.kl_topk={e.topk}")
         if h.block_size != e.block_size:
-            problems.append(f"anchors drawn for block size {h.block_size}, expected drafter.block_size={e.block_size}")
+            problems.append(f"block size {h.block_size}, expected drafter.block_size={e.block_size}")
         if problems:
             raise BundleError(f"bundle from rank {peer} does not match this drafter: " + "; ".join(problems))
 

@@ -63,3 +63,27 @@ def test_schedule_depends_on_seed_and_index_only():
     step_b = sorted(i for m in range(2) for i in b.micro_batch(2 + m)[1])
     assert step_a == step_b
     assert a.micro_batch(12 * 4)[0] == 1  # 12 steps per epoch
+
+
+def test_a_reply_without_an_anchor_position_is_counted(tmp_path, tokenizer, monkeypatch):
+    """Anchors need a response token followed by another; a conversation without one
+    would train nothing and is skipped and counted, not lost silently."""
+    import dflash.data
+
+    masks = iter([[0, 1, 0, 1, 0], [0, 0, 1, 1, 1]])
+    monkeypatch.setattr(dflash.data, "tokenize_conversation", lambda tok, messages: ([5, 6, 7, 8, 9], next(masks)))
+    ds = load_dataset(str(write(tmp_path / "d.jsonl", [GOOD, GOOD])), tokenizer, max_len=320, min_loss_tokens=1,
+                      strict=False)
+    assert len(ds) == 1 and ds.skipped["no anchor"] == 1
+
+
+def test_the_demo_turn_ends_with_the_tokenizer_eos(tokenizer):
+    """As in Qwen3's chat models, a decoding loop that stops at the tokenizer's eos stops
+    at the end of the assistant's turn (the padding token is another)."""
+    from transformers import GenerationConfig
+
+    ids, mask = tokenize_conversation(tokenizer, GOOD["conversations"])
+    reply = [i for i, m in zip(ids, mask) if m]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id in reply
+    assert tokenizer.pad_token_id != tokenizer.eos_token_id
+    assert GenerationConfig.from_pretrained(resolve_path("demo")).eos_token_id == tokenizer.eos_token_id

@@ -25,7 +25,7 @@ def test_drafter_flex_equals_dense_forward_and_backward():
     ids = torch.randint(0, 90, (2, seq_len), device="cuda")
     loss_mask = torch.zeros(2, seq_len, dtype=torch.long)
     loss_mask[:, 40:] = 1
-    drawn = [sample_anchors(loss_mask[r], n, bs, sample_generator(0, 0, r)) for r in range(2)]
+    drawn = [sample_anchors(loss_mask[r], n, sample_generator(0, 0, r)) for r in range(2)]
     anchors = torch.stack([a for a, _ in drawn]).cuda()
     keep = torch.stack([k for _, k in drawn]).cuda()
     blocks = make_blocks(ids, loss_mask.cuda(), torch.tensor([seq_len] * 2, device="cuda"), anchors, keep, bs, 95, 7.0)
@@ -61,7 +61,7 @@ def test_reduce_overhead_equals_eager_with_accumulation():
     base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda()
     settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
     eager, graphed = _trainer(copy.deepcopy(base), None), _trainer(copy.deepcopy(base), settings)
-    spec = AnchorSpec(8, 16, 0)
+    spec = AnchorSpec(8, 0)
     data = {
         s: [(random_batch(2, s, 96, spec, seed=i), random_prefill(2, s, 768, torch.bfloat16, 4, 96, "cuda")) for i in range(10)]
         for s in (128, 256)
@@ -90,7 +90,7 @@ def test_nccl_initialises_and_reduces_the_drafter_gradients():
     try:
         group = dist.new_group([0])
         trainer = _trainer(tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda(), None)
-        batch = random_batch(2, 128, 96, AnchorSpec(8, 16, 0))
+        batch = random_batch(2, 128, 96, AnchorSpec(8, 0))
         trainer.micro_step(batch, random_prefill(2, 128, 768, torch.bfloat16, 4, 96, "cuda"))
         before = trainer.flat_grad.clone()
         result = trainer.finish(group)

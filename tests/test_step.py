@@ -20,7 +20,7 @@ def batch(rows, lengths, seq_len=32, seed=0):
     for r, length in enumerate(lengths):
         loss_mask[r, 4:length] = 1
     feats = torch.randn(n, seq_len, 3 * 64, generator=g)
-    drawn = [sample_anchors(loss_mask[r, :length], 6, BS, sample_generator(0, 0, i)) for r, (i, length) in enumerate(zip(rows, lengths))]
+    drawn = [sample_anchors(loss_mask[r, :length], 6, sample_generator(0, 0, i)) for r, (i, length) in enumerate(zip(rows, lengths))]
     anchors = torch.stack([a for a, _ in drawn])
     keep = torch.stack([k for _, k in drawn])
     mb = MicroBatch(ids, loss_mask, torch.tensor(lengths), anchors, keep, epoch=0)

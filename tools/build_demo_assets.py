@@ -230,13 +230,13 @@ def sample_unique(
 # Tokenizer
 # ---------------------------------------------------------------------------
 
-EOS_TOKEN = "<|endoftext|>"  # also the pad token, as in Qwen
+PAD_TOKEN = "<|endoftext|>"  # the pad token, as in Qwen
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 MASK_TOKEN = "<|MASK|>"  # in the vocab for the drafter, never in any data
 UNK_TOKEN = "<|unk|>"  # required by WordLevel; never produced by the grammar
 NEWLINE = "\n"  # the chat template's only whitespace besides spaces
-SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END, MASK_TOKEN, UNK_TOKEN]
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, MASK_TOKEN, UNK_TOKEN]
 VOCAB_MULTIPLE = 8
 
 CHAT_TEMPLATE = (
@@ -288,8 +288,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     backend.add_tokens([AddedToken(NEWLINE, special=False, normalized=False)])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        eos_token=EOS_TOKEN,
-        pad_token=EOS_TOKEN,
+        eos_token=IM_END,  # a turn ends with it, as Qwen3's chat models do: decoding stops there
+        pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
         mask_token=MASK_TOKEN,
         extra_special_tokens=[IM_START, IM_END],
