@@ -1,0 +1,106 @@
+"""The tokenised dataset is cached: a second start loads it, any change re-tokenises, and
+on a first start one process tokenises while the others wait for it."""
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+from transformers import AutoTokenizer
+
+import dflash.data
+from dflash.data import load_dataset
+from dflash.target import resolve_path
+from dflash.token_cache import Tokenised, tokenise_once
+
+GOOD = {"conversations": [{"role": "user", "content": "count from 3 to 9"}, {"role": "assistant", "content": "3 4 5 6 7 8 9"}]}
+OTHER = {"conversations": [{"role": "user", "content": "count from 5 to 8"}, {"role": "assistant", "content": "5 6 7 8"}]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_path("demo"))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many conversations were tokenised."""
+    counted = []
+    real = dflash.data.tokenize_conversation
+    monkeypatch.setattr(dflash.data, "tokenize_conversation", lambda tok, m: counted.append(1) or real(tok, m))
+    return counted
+
+
+def write(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "{broken\n")
+    return path
+
+
+def load(path, tokenizer, cache, max_len=320):
+    return load_dataset(str(path), tokenizer, max_len=max_len, min_loss_tokens=2, strict=False, cache_dir=cache)
+
+
+def test_a_second_start_loads_what_the_first_tokenised(tmp_path, tokenizer, calls):
+    data = write(tmp_path / "d.jsonl", [GOOD, OTHER, GOOD])
+    first = load(data, tokenizer, tmp_path / "cache")
+    assert len(calls) == 3
+    second = load(data, tokenizer, tmp_path / "cache")
+    assert len(calls) == 3, "nothing tokenised again"
+    assert [s.source for s in second.samples] == [s.source for s in first.samples]
+    for a, b in zip(first.samples, second.samples):
+        assert list(a.input_ids) == list(b.input_ids) and list(a.loss_mask) == list(b.loss_mask)
+    assert second.skipped == first.skipped == {"broken JSON": 1}
+
+
+def test_a_changed_file_or_option_tokenises_again(tmp_path, tokenizer, calls):
+    data = write(tmp_path / "d.jsonl", [GOOD, OTHER])
+    load(data, tokenizer, tmp_path / "cache")
+    write(data, [GOOD, OTHER, OTHER])  # the file changed
+    assert len(load(data, tokenizer, tmp_path / "cache")) == 3
+    assert len(calls) == 2 + 3
+    load(data, tokenizer, tmp_path / "cache", max_len=100)  # another option
+    assert len(calls) == 2 + 3 + 3
+
+
+def test_strict_fails_from_the_cache_too(tmp_path, tokenizer):
+    data = write(tmp_path / "d.jsonl", [GOOD])
+    load(data, tokenizer, tmp_path / "cache")
+    with pytest.raises(ValueError, match=r"(?s)data.strict=true and 1 bad.*d.jsonl:2: broken JSON"):
+        load_dataset(str(data), tokenizer, 320, 2, strict=True, cache_dir=tmp_path / "cache")
+
+
+def _slow_tokenise(marker_dir: str) -> Tokenised:
+    Path(marker_dir, f"tokenised_by_{os.getpid()}").touch()
+    time.sleep(1.5)
+    return Tokenised([np.arange(5)], [np.ones(5, dtype=np.uint8)], ["x:1"], {}, [])
+
+
+def _racer(rank: int, cache: str, markers: str, out: str) -> None:
+    data, cached = tokenise_once(Path(cache), "samekey", lambda: _slow_tokenise(markers), wait_s=60)
+    Path(out, f"rank{rank}").write_text(json.dumps([list(map(int, data.ids[0])), cached]))
+
+
+def test_on_a_first_start_one_process_tokenises_and_the_others_wait(tmp_path):
+    markers, out = tmp_path / "markers", tmp_path / "out"
+    markers.mkdir(), out.mkdir()
+    mp.start_processes(_racer, args=(str(tmp_path / "cache"), str(markers), str(out)), nprocs=3, join=True,
+                       start_method="spawn")
+    assert len(list(markers.iterdir())) == 1
+    results = [json.loads((out / f"rank{r}").read_text()) for r in range(3)]
+    assert all(ids == [0, 1, 2, 3, 4] for ids, _ in results)
+    assert sorted(cached for _, cached in results) == [False, True, True]
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    dead = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    (cache / "k.lock").write_text(f"{socket.gethostname()} {dead.pid}\n")
+    data, cached = tokenise_once(cache, "k", lambda: _slow_tokenise(str(tmp_path)), wait_s=5)
+    assert not cached and len(data.ids) == 1 and not (cache / "k.lock").exists()
