@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash.bundle import MicroBatch, PrefillOutput, random_batch, random_prefill
@@ -101,15 +102,26 @@ def build_topology(job: Job) -> Topology | None:
     return job.plan.topology(world, int(os.environ["RANK"]), int(targets))
 
 
-def auto_split(job: Job, world: int) -> int:
-    """Target ranks from the FLOPs of both sides, counted on meta-device models."""
+def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:
+    """The target and the drafter on the meta device: shapes and parameter counts, no memory."""
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(job.target_config, trust_remote_code=job.source.trust_remote_code)
         drafter = DFlashDrafter(drafter_config(job, 0))
+    return target, drafter
+
+
+def split_by_flops(job: Job, world: int, target: nn.Module, drafter: DFlashDrafter) -> int:
+    """Target ranks of ``world`` from the FLOPs of both sides (the drafter's count takes the
+    frozen LM head it runs through too)."""
     target_params = sum(p.numel() for p in target.parameters())
     head_params = target.get_output_embeddings().weight.numel()
     drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
-    split = auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len)
+    return auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len)
+
+
+def auto_split(job: Job, world: int) -> int:
+    """``topology.target_ranks=auto``, counted on meta-device models."""
+    split = split_by_flops(job, world, *meta_models(job))
     log.info("topology.target_ranks=auto: %d target and %d drafter ranks", split, world - split)
     return split
 

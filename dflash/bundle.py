@@ -75,6 +75,11 @@ def present(topk: int) -> list[Field]:
     return [f for f in FIELDS if topk or not f.only_with_topk]
 
 
+def shapes(sizes: dict[str, int], feature_dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Shape and dtype of each tensor a bundle of these dimensions carries, in field order."""
+    return [(tuple(sizes[d] for d in f.dims), f.dtype or feature_dtype) for f in present(sizes["k"])]
+
+
 def flatten(batch: MicroBatch, prefill: PrefillOutput) -> list[torch.Tensor]:
     """The bundle's tensors in :data:`FIELDS` order."""
     parts = {"batch": batch, "prefill": prefill}

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
-from dflash.build import Job, drafter_config
-from dflash.bundle import present
-from dflash.model import DFlashDrafter, DrafterConfig
+from dflash.build import Job, meta_models, split_by_flops
+from dflash.bundle import shapes
+from dflash.model import DrafterConfig
+from dflash.plan import Plan
 from dflash.target import decoder_layers
-from dflash.topology import Topology, auto_target_ranks
+from dflash.topology import Topology
 
 GIB = 2**30
 H200_GIB = 139.8  # usable memory of one H200 as torch reports it
@@ -93,16 +93,21 @@ class Estimate:
         return min(self.num_targets * self.target_rate, drafters * self.drafter_rate)
 
 
-def _bundle_bytes(job: Job, dtype_bytes: int) -> int:
-    plan = job.plan
-    seq_len = next((b for b in plan.buckets if b >= plan.max_len), max(plan.buckets))
-    size = {"b": plan.micro_batch_size, "S": seq_len, "n": plan.num_anchors, "F": plan.feature_dim,
-            "k": plan.topk}
-    total = 0
-    for f in present(plan.topk):
-        itemsize = dtype_bytes if f.dtype is None else torch.empty((), dtype=f.dtype).element_size()
-        total += math.prod(size[d] for d in f.dims) * itemsize
-    return total
+def _bundle_bytes(plan: Plan, feature_dtype: torch.dtype) -> int:
+    """Payload bytes of the largest bundle of ``plan``."""
+    sizes = {"b": plan.micro_batch_size, "S": plan.padded_len, "n": plan.num_anchors, "F": plan.feature_dim,
+             "k": plan.topk}
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes(sizes, feature_dtype))
+
+
+def bench_rates(report: dict) -> dict:
+    """Samples/s of one target rank and one drafter rank in a ``dflash.bench`` report: its
+    last target row (compiled when the drafter is) and its last drafter row."""
+    micro = report["shapes"]["micro_batch_size"]
+    target = [r for r in report["rows"] if r["role"] == "target"][-1]
+    drafter = [r for r in report["rows"] if r["role"] == "drafter"][-1]
+    return {"target_samples_per_s": 1e3 * micro / target["step_ms"], "drafter_samples_per_s": drafter["samples_per_s"],
+            "target_mode": target["mode"], "drafter_mode": drafter["mode"]}
 
 
 def _device_gib(job: Job) -> float:
@@ -117,11 +122,8 @@ def _device_gib(job: Job) -> float:
 def _rates(job: Job, target_flops: float, drafter_flops_: float, cuda_plan: bool) -> tuple[float, float, str]:
     path = job.cfg.estimate.rates
     if path:
-        report = json.loads(Path(path).read_text())
-        micro = report["shapes"]["micro_batch_size"]
-        target = [r for r in report["rows"] if r["role"] == "target"][-1]
-        drafter = [r for r in report["rows"] if r["role"] == "drafter"][-1]
-        return 1e3 * micro / target["step_ms"], drafter["samples_per_s"], f"measured in {path}"
+        rates = bench_rates(json.loads(Path(path).read_text()))
+        return rates["target_samples_per_s"], rates["drafter_samples_per_s"], f"measured in {path}"
     if not cuda_plan:
         return math.nan, math.nan, ""
     target = MEASURED_MFU["target"] * PEAK_FLOPS / target_flops
@@ -134,24 +136,22 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
     as the trainer would choose). Raises :class:`TopologyError` for an impossible split."""
     plan, text = job.plan, job.target_config.get_text_config()
     cuda_plan = torch.cuda.is_available() or world_size > 1
-    dtype_bytes = 2 if cuda_plan else 4  # bf16 on GPUs, fp32 on the CPU
-    with torch.device("meta"):
-        target = AutoModelForCausalLM.from_config(job.target_config, trust_remote_code=job.source.trust_remote_code)
-        drafter_cfg = drafter_config(job, 0)
-        drafter = DFlashDrafter(drafter_cfg)
+    dtype = torch.bfloat16 if cuda_plan else torch.float32
+    dtype_bytes = dtype.itemsize
+    target, drafter = meta_models(job)
+    drafter_cfg = drafter.config
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     target_params = sum(p.numel() for p in target.parameters())
     head_params = embed.numel() + (0 if lm_head is embed else lm_head.numel())
     drafter_params = sum(p.numel() for p in drafter.parameters())
-    seq_len = next((b for b in plan.buckets if b >= plan.max_len), max(plan.buckets))  # the longest padding
+    seq_len = plan.padded_len
     t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids))
     d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size)
-    auto = auto_target_ranks(world_size, target_params, drafter_params + lm_head.numel(), plan.num_anchors,
-                             plan.max_len) if world_size > 1 else 0
+    auto = split_by_flops(job, world_size, target, drafter) if world_size > 1 else 0
     num_targets = auto if targets == "auto" else int(targets)
     if world_size > 1:
         Topology(world_size, 0, num_targets, plan.micro_batch_size, plan.batch_size)  # raises with the key to change
-    bundle = _bundle_bytes(job, dtype_bytes)
+    bundle = _bundle_bytes(plan, dtype)
     micro, h = plan.micro_batch_size, text.hidden_size
     tokens = micro * seq_len
     in_flight = job.cfg.topology.max_in_flight if world_size > 1 else 0

@@ -47,6 +47,11 @@ class Plan:
         """Micro-batches per optimizer step, over all drafter ranks together."""
         return self.batch_size // self.micro_batch_size
 
+    @property
+    def padded_len(self) -> int:
+        """The longest padded length a micro-batch can have: the bucket that holds ``max_len``."""
+        return next((b for b in self.buckets if b >= self.max_len), max(self.buckets))
+
     def anchor_spec(self) -> AnchorSpec:
         return AnchorSpec(self.num_anchors, self.seed)
 

@@ -23,7 +23,7 @@ from dataclasses import astuple, dataclass, fields
 import torch
 import torch.distributed as dist
 
-from dflash.bundle import MicroBatch, PrefillOutput, flatten, present, unflatten
+from dflash.bundle import MicroBatch, PrefillOutput, flatten, shapes, unflatten
 
 MAGIC = 0x0DF1A5
 FLAG_END, FLAG_ABORT = 1, 2
@@ -61,9 +61,8 @@ class Header:
 
     def shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Shape and dtype of each payload tensor, in field order."""
-        size = {"b": self.batch, "S": self.seq_len, "n": self.num_anchors, "F": self.feature_dim, "k": self.topk}
-        feature_dtype = FEATURE_DTYPES[self.feature_dtype]
-        return [(tuple(size[d] for d in f.dims), f.dtype or feature_dtype) for f in present(self.topk)]
+        sizes = {"b": self.batch, "S": self.seq_len, "n": self.num_anchors, "F": self.feature_dim, "k": self.topk}
+        return shapes(sizes, FEATURE_DTYPES[self.feature_dtype])
 
 
 HEADER_LEN = 1 + len(fields(Header))  # the magic number, then every field

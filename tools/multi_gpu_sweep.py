@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # runs from a checkout, also where the package is not installed
 # every synthetic sample is train.max_len long: one length bucket, one compiled graph
 COMMON = ["target=qwen3_8b", "target.path=random", "data=synthetic", "train=paper", "train.buckets=null",
           "eval.enabled=false", "wandb.mode=disabled"]
@@ -70,12 +71,10 @@ def rates(overrides: list[str], out: Path, env: dict, accumulation: int) -> dict
                "--accumulation", str(accumulation), "--out", str(out), *overrides]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, **env})
-    rows = json.loads(out.read_text())["rows"]
-    micro = json.loads(out.read_text())["shapes"]["micro_batch_size"]
-    target = [r for r in rows if r["role"] == "target"][-1]  # compiled when the drafter is
-    drafter = [r for r in rows if r["role"] == "drafter"][-1]
-    return {"target_samples_per_s": round(1e3 * micro / target["step_ms"], 3), "drafter_samples_per_s": drafter["samples_per_s"],
-            "target_mode": target["mode"], "drafter_mode": drafter["mode"]}
+    from dflash.estimate import bench_rates  # imports torch: not needed for --help
+
+    found = bench_rates(json.loads(out.read_text()))
+    return {**found, "target_samples_per_s": round(found["target_samples_per_s"], 3)}
 
 
 def efficiency(measured: dict, rate: dict, targets: int, drafters: int) -> float:
