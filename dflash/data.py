@@ -142,8 +142,7 @@ def _tokenise_files(
 ) -> Tokenised:
     """Read, check and tokenise every conversation; what cannot train is counted by
     category and noted with its ``file:line``."""
-    out = Tokenised([], [], [], {}, [])
-    skipped: Counter = Counter()
+    out = Tokenised([], [], [], Counter(), [])
     for file in files:
         with open(file, "rb") as fh:
             for lineno, raw in enumerate(fh, 1):
@@ -170,12 +169,10 @@ def _tokenise_files(
                     out.masks.append(mask)
                     out.sources.append(where)
                     if max_samples and len(out.ids) >= max_samples:
-                        out.skipped = dict(skipped)
                         return out
                     continue
-                skipped[reason.split(":")[0]] += 1
+                out.skipped[reason.split(":")[0]] += 1
                 out.problems.append(f"{where}: {reason}")
-    out.skipped = dict(skipped)
     return out
 
 
@@ -215,7 +212,7 @@ def load_dataset(
         shown = "\n  ".join(data.problems[:10])
         if strict:
             raise ValueError(f"data.strict=true and {len(data.problems)} bad conversations:\n  {shown}")
-        log.warning("skipped %d bad conversations (%s):\n  %s", len(data.problems), data.skipped, shown)
+        log.warning("skipped %d bad conversations (%s):\n  %s", len(data.problems), dict(data.skipped), shown)
     if not data.ids:
         raise ValueError(f"no trainable conversations in data.path={path!r}")
     samples = [Sample(i, m, where) for i, m, where in zip(data.ids, data.masks, data.sources)]

@@ -99,6 +99,10 @@ class Protocol:
     def everyone_but_me(self) -> list[int]:
         return [r for r in range(self.topo.world_size) if r != self.rank]
 
+    def other_drafters(self) -> list[int]:
+        """The drafter ranks a drafter's collectives wait on."""
+        return [r for r in self.topo.drafter_ranks if r != self.rank]
+
     def phase(self, what: str, timeout_s: float, peers: Iterable[int] = ()):
         """A bounded wait on ``peers`` (see :mod:`dflash.watchdog`)."""
         return self.watchdog.phase(what, timeout_s, peers)
@@ -143,8 +147,7 @@ class Protocol:
                 if int(buf.item()) != t:
                     raise ProtocolError(f"rank {self.rank}: first contact from target {t} carried {int(buf.item())}")
         if not topo.is_target:
-            others = [r for r in topo.drafter_ranks if r != self.rank]
-            with self._failing("first all-reduce of the drafter group", init, others):
+            with self._failing("first all-reduce of the drafter group", init, self.other_drafters()):
                 one = torch.ones(1, device=self.device)
                 dist.all_reduce(one, group=self.drafters)
                 if int(one.item()) != topo.num_drafters:

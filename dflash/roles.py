@@ -89,10 +89,8 @@ def run_steps(
     None in one process. Returns the last completed step."""
     train, ckpt_root = cfg.train, Path(cfg.output_dir) / "checkpoints"
     group = proto.drafters if proto else None
-    others = [r for r in proto.topo.drafter_ranks if r != proto.rank] if proto else []
-
     def bounded(what: str):
-        return proto.phase(what, proto.timeouts.step_s, others) if proto else nullcontext()
+        return proto.phase(what, proto.timeouts.step_s, proto.other_drafters()) if proto else nullcontext()
 
     stop = StopRequested()
     in_a_row, skipped = 0, 0
@@ -277,8 +275,7 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     mask_id = resolve_mask_token_id(job.source.tokenizer(), head.vocab_size, cfg.target.mask_token_id)
     steps = proto.agree_steps(None)
     trainer = build_trainer(job, head, mask_id, steps)
-    others = [r for r in topo.drafter_ranks if r != topo.rank]
-    with proto.phase("reading the checkpoint to resume from", proto.timeouts.warmup_s, others):
+    with proto.phase("reading the checkpoint to resume from", proto.timeouts.warmup_s, proto.other_drafters()):
         resumed = resume_step(cfg, trainer, proto.drafters)
     start = proto.agree_start(resumed)
     warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))

@@ -37,7 +37,7 @@ class Tokenised:
     ids: list[Sequence[int]]
     masks: list[Sequence[int]]
     sources: list[str]
-    skipped: dict[str, int]
+    skipped: dict[str, int]  # a Counter while tokenising
     problems: list[str]
 
 
