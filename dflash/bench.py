@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 
 from dflash.build import Job, build_job, build_trainer, compose_config, warm_drafter
 from dflash.bundle import random_batch, random_prefill
+from dflash.checkpoint import load_checkpoint, save_checkpoint
 from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.estimate import drafter_flops, prefill_flops
 from dflash.model import TargetHead
@@ -83,6 +84,31 @@ def profile_table(fn: Callable[[], None], device: torch.device, calls: int = 3) 
     return prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
 
 
+def compile_breakdown(top: int = 10) -> dict[str, float]:
+    """Seconds per compile stage since the last call (Dynamo's ``dynamo_timed`` regions,
+    summed over graphs), largest first: where a cold warmup spends its time. Stages
+    nest (the backend compile is inside Dynamo's), so they do not add up."""
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    totals = sorted(((k, sum(v)) for k, v in metrics.items()), key=lambda kv: -kv[1])
+    metrics.clear()
+    return {k: round(v, 2) for k, v in totals[:top] if v >= 0.01}
+
+
+def time_checkpoint(trainer, root: Path) -> dict:
+    """Save and load the drafter with its optimizer state through :mod:`dflash.checkpoint`."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    began = time.perf_counter()
+    path = save_checkpoint(root, 1, trainer.drafter, trainer.optimizer, trainer.scheduler, keep=1)
+    saved = time.perf_counter()
+    load_checkpoint(path, trainer.drafter, trainer.optimizer, trainer.scheduler)
+    sync()
+    loaded = time.perf_counter()
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return {"role": "checkpoint", "mode": "dcp", "gib": round(size / 2**30, 2), "save_s": round(saved - began, 2),
+            "load_s": round(loaded - saved, 2)}
+
+
 def reset_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -127,6 +153,7 @@ class Bench:
             for _ in self.batches
         ]
         before = compile_counts()
+        compile_breakdown()
         warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype), 0, 1)
         calls = iter(range(10**9))
 
@@ -153,6 +180,9 @@ class Bench:
             "warmup_s": warm["wall_s"],
             "graphs": after["graphs"] - before["graphs"],
             "cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
+            "fx_cache": f"{after['fx_cache_hits'] - before['fx_cache_hits']} hits / "
+            f"{after['fx_cache_misses'] - before['fx_cache_misses']} misses",
+            "compile_s": compile_breakdown() if mode else {},
         }
         self.trainer = trainer
         return result
@@ -204,7 +234,8 @@ class Bench:
 
 
 def run_bench(
-    job: Job, steps: int, peak_tflops: float, modes: list[str], profile: str | None = None, accumulation: int = 1
+    job: Job, steps: int, peak_tflops: float, modes: list[str], profile: str | None = None, accumulation: int = 1,
+    checkpoint_dir: str | None = None,
 ) -> dict:
     bench = Bench(job, steps, peak_tflops, profile, accumulation)
     runs = [lambda: bench.prefill("eager", False)]
@@ -212,6 +243,8 @@ def run_bench(
         runs.append(lambda: bench.prefill("compile", True))
     runs += [lambda name=name: bench.drafter(name, MODES[name]) for name in modes]
     runs.append(bench.colocated)
+    if checkpoint_dir:
+        runs.append(lambda: time_checkpoint(bench.trainer, Path(checkpoint_dir)))
     rows = []
     for run in runs:
         rows.append(run())
@@ -358,6 +391,12 @@ def format_report(report: dict) -> str:
     table = [cols] + [tuple("" if r.get(c) is None else str(r[c]) for c in cols) for r in report["rows"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in table]
+    for r in report["rows"]:
+        if r.get("compile_s"):
+            stages = ", ".join(f"{k} {v} s" for k, v in r["compile_s"].items())
+            lines.append(f"drafter {r['mode']} warmup {r['warmup_s']} s (FX cache {r['fx_cache']}); compile stages: {stages}")
+        if r["role"] == "checkpoint":
+            lines.append(f"checkpoint of drafter + optimizer, {r['gib']} GiB: save {r['save_s']} s, load {r['load_s']} s")
     return head + "\n" + "\n".join(lines)
 
 
@@ -371,6 +410,7 @@ def main() -> None:
     parser.add_argument("--p2p", action="store_true", help="measure bundle bandwidth between two local ranks instead")
     parser.add_argument("--profile", choices=list(MODES), help="also profile the drafter step of this mode")
     parser.add_argument("--accumulation", type=int, default=1, help="drafter micro-batches per optimizer step")
+    parser.add_argument("--checkpoint", metavar="DIR", help="also time a checkpoint save and load under DIR")
     parser.add_argument("--out", default="bench.json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -381,7 +421,8 @@ def main() -> None:
         report = run_warmup(overrides, args.warmup_procs)
     else:
         job = bench_job(overrides + ["train.buckets=null"])
-        report = run_bench(job, args.steps, args.peak_tflops, args.modes.split(","), args.profile, args.accumulation)
+        report = run_bench(job, args.steps, args.peak_tflops, args.modes.split(","), args.profile, args.accumulation,
+                           args.checkpoint)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(format_report(report))
     if report.get("profile"):

@@ -27,12 +27,15 @@ def test_flop_count_of_the_design_reference():
 
 
 def test_bench_reports_every_role(tmp_path):
-    report = run_bench(bench_job(TINY), steps=1, peak_tflops=790.0, modes=["eager", "compile"])
+    report = run_bench(bench_job(TINY), steps=1, peak_tflops=790.0, modes=["eager", "compile"],
+                       checkpoint_dir=str(tmp_path))
     rows = {(r["role"], r["mode"]): r for r in report["rows"]}
     assert set(rows) == {("target", "eager"), ("target", "compile"), ("drafter", "eager"), ("drafter", "compile"),
-                         ("colocated", "compiled")}
+                         ("colocated", "compiled"), ("checkpoint", "dcp")}
+    assert rows[("drafter", "compile")]["compile_s"] and not rows[("drafter", "eager")]["compile_s"]
+    assert rows[("checkpoint", "dcp")]["load_s"] >= 0 and (tmp_path / "step_00000001").is_dir()
     assert rows[("drafter", "compile")]["graphs"] == 1 and rows[("drafter", "eager")]["graphs"] == 0
-    assert all(r["step_ms"] > 0 for r in report["rows"])
+    assert all(r["step_ms"] > 0 for r in report["rows"] if r["role"] != "checkpoint")
     json.dumps(report)
     assert "mfu_pct" in format_report(report)
 
