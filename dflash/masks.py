@@ -8,15 +8,20 @@ sees only itself, so no row is empty and SDPA never yields NaN.
 
 The same function gives a flex ``BlockMask`` on CUDA and a dense boolean mask for
 SDPA on the CPU (flex_attention has no CPU backward), so the two cannot drift.
+
+The ``BlockMask`` is built here rather than by ``create_block_mask``: that one
+orders block indices with an argsort, which torch <= 2.12 compiles into a Triton
+sort kernel that took 154 s of the 207 s cold compile at Qwen3-8B shapes
+(BENCHMARKS.md "Where the compile time goes"). :func:`flex_block_mask` gives the
+same tensors from a cumulative sum and a scatter.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from torch.nn.attention.flex_attention import BlockMask
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -42,10 +47,50 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
     return mask_mod(b, torch.zeros_like(b), q, kv)
 
 
-@functools.cache
-def compiled_create_block_mask():
-    """Eager ``create_block_mask`` evaluates the mask over the full grid; compiled, it does not."""
-    return torch.compile(create_block_mask)
+def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a block-level mask ``[..., rows, cols]``: how many columns are set, and
+    every column index with the set ones first, each group ascending: the stable
+    descending argsort flex uses, computed as positions (a cumulative sum) and one
+    scatter, which compiles to plain elementwise kernels."""
+    d = dense.to(torch.int32)
+    count = d.sum(-1, dtype=torch.int32)
+    slot = torch.where(dense, d.cumsum(-1) - 1, count[..., None] + (1 - d).cumsum(-1) - 1)
+    cols = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32).expand_as(d)
+    return count, torch.empty_like(d).scatter_(-1, slot.long(), cols)
+
+
+def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device,
+                    block: int = 128) -> BlockMask:
+    """The ``BlockMask`` that ``create_block_mask(mask_mod, batch, None, q_len, kv_len)``
+    gives: ``mask_mod`` evaluated on the grid padded to whole blocks with False, blocks
+    that are all set are full, blocks partly set are partial, and the query-side
+    indices (for the backward) are those of the transposed block grid."""
+    q_blocks, kv_blocks = -(-q_len // block), -(-kv_len // block)
+    b = torch.arange(batch, device=device)[:, None, None]
+    q = torch.arange(q_blocks * block, device=device)[None, :, None]
+    kv = torch.arange(kv_blocks * block, device=device)[None, None, :]
+    inside = (q < q_len) & (kv < kv_len)
+    grid = mask_mod(b, torch.zeros_like(b), q.clamp(max=q_len - 1), kv.clamp(max=kv_len - 1)) & inside
+    grid = grid.view(batch, 1, q_blocks, block, kv_blocks, block)
+    full = grid.all(5).all(3)
+    partial = grid.any(5).any(3) & ~full
+    kv_num, kv_indices = ordered_blocks(partial)
+    full_kv_num, full_kv_indices = ordered_blocks(full)
+    q_num, q_indices = ordered_blocks(partial.transpose(-2, -1))
+    full_q_num, full_q_indices = ordered_blocks(full.transpose(-2, -1))
+    return BlockMask(
+        seq_lengths=(q_len, kv_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_indices,
+        q_num_blocks=q_num,
+        q_indices=q_indices,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_indices,
+        BLOCK_SIZE=(block, block),
+        mask_mod=mask_mod,
+    )
 
 
 def build_mask(
@@ -57,7 +102,5 @@ def build_mask(
     kv_len = ctx_len + q_len
     mod = dflash_mask_mod(anchors, ctx_len, block_size)
     if use_flex:
-        # Inside a compiled step the mask is traced with the rest; outside, compile it alone.
-        make = create_block_mask if torch.compiler.is_compiling() else compiled_create_block_mask()
-        return make(mod, batch, None, q_len, kv_len, device=anchors.device)
+        return flex_block_mask(mod, batch, q_len, kv_len, anchors.device)
     return dense_mask(mod, batch, q_len, kv_len, anchors.device)

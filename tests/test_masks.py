@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from dflash.masks import build_mask, dense_mask, dflash_mask_mod
+from dflash.masks import build_mask, dense_mask, dflash_mask_mod, flex_block_mask
 
 
 def reference_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
@@ -61,6 +61,29 @@ def test_flex_block_mask_matches_dense_on_cpu():
     flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mod, 2, q_len, kv_len, torch.device("cpu")), enable_gqa=True)
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("ctx_len,num_anchors,block_size", [(128, 4, 16), (256, 24, 16), (200, 9, 10), (640, 40, 16)])
+def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size):
+    """Every tensor of the sort-free BlockMask equals create_block_mask's, padded anchors
+    (0) and lengths that are not multiples of the 128 block included."""
+    g = torch.Generator().manual_seed(ctx_len + num_anchors)
+    anchors = torch.randint(1, ctx_len, (3, num_anchors), generator=g).sort(-1).values
+    anchors[1, num_anchors // 2:] = 0  # unfilled slots
+    anchors[2] = 0
+    mod = dflash_mask_mod(anchors, ctx_len, block_size)
+    q_len = num_anchors * block_size
+    kv_len = ctx_len + q_len
+    want = create_block_mask(mod, 3, None, q_len, kv_len, device="cpu")
+    got = flex_block_mask(mod, 3, q_len, kv_len, torch.device("cpu"))
+    assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+    for name in BLOCK_FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+    assert torch.equal(got.to_dense(), want.to_dense())
 
 
 @pytest.mark.gpu
