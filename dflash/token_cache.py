@@ -1,15 +1,18 @@
 """Tokenise a dataset once: tokenised conversations cached on disk, keyed by content.
 
-The key hashes the data files' bytes, the tokenizer (vocabulary, merges, special
-tokens and chat template), ``max_len``, ``min_loss_tokens`` and ``max_samples``,
-so any change tokenises again and nothing stale is ever read. On a first start
-one process per cache directory tokenises while holding a lock file; the others
-wait for its result, bounded by a timeout. A lock whose owner has died on this
+The key hashes the data files' bytes and kinds, grouped by ``data.path`` entry (a
+saved dataset directory by all of its files), the tokenizer (vocabulary, merges,
+special tokens and chat template), ``max_len``, ``min_loss_tokens``,
+``max_samples`` and the chat template's arguments, so any change tokenises again
+and nothing stale is ever read. ``data.weights`` are applied to what is read
+from it, so changing them reuses the cache. On a first start one process per
+cache directory tokenises while holding a lock file; the others wait for its
+result, bounded by a timeout. A lock whose owner has died on this
 host is taken over, so a crash never leaves the others waiting.
 
 The file is an ``.npz`` of plain arrays (no pickle): token ids and loss masks
 concatenated with their offsets, plus a JSON blob with each sample's source
-(``file:line``), the skip counts and the skip reasons.
+(``file:line``) and ``data.path`` entry, the skip counts and the skip reasons.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what tokenisation produces changes (mask rules, skip rules)
+FORMAT = 2  # bump when what tokenisation produces changes (mask rules, skip rules)
 
 
 @dataclass
@@ -39,14 +42,23 @@ class Tokenised:
     sources: list[str]
     skipped: dict[str, int]  # a Counter while tokenising
     problems: list[str]
+    origins: list[int] = field(default_factory=list)  # the data.path entry of each sample
 
 
 def _file_digest(path: Path) -> str:
+    """The bytes of a file, or of every file of a directory with their relative names."""
     digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
+    files = sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(file.relative_to(path).as_posix().encode() + b"\0")
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
     return digest.hexdigest()
+
+
+def _kind(path: Path) -> str:
+    return "saved dataset" if path.is_dir() else path.suffix
 
 
 def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -57,11 +69,12 @@ def _tokenizer_digest(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
-def cache_key(files: list[Path], tokenizer: PreTrainedTokenizerBase, **options) -> str:
-    """What the tokenised dataset depends on, hashed."""
+def cache_key(sources: list[list[Path]], tokenizer: PreTrainedTokenizerBase, **options) -> str:
+    """What the tokenised dataset depends on, hashed; ``sources`` holds the files of
+    each ``data.path`` entry."""
     described = {
         "format": FORMAT,
-        "files": [[f.name, _file_digest(f)] for f in files],
+        "sources": [[[f.name, _kind(f), _file_digest(f)] for f in files] for files in sources],
         "tokenizer": _tokenizer_digest(tokenizer),
         **options,
     }
@@ -70,7 +83,7 @@ def cache_key(files: list[Path], tokenizer: PreTrainedTokenizerBase, **options) 
 
 def _save(path: Path, data: Tokenised) -> None:
     lengths = np.array([len(i) for i in data.ids], dtype=np.int64)
-    meta = {"sources": data.sources, "skipped": data.skipped, "problems": data.problems}
+    meta = {"sources": data.sources, "origins": data.origins, "skipped": data.skipped, "problems": data.problems}
     tmp = path.with_name(f".tmp_{os.getpid()}_{path.name}")
     with open(tmp, "wb") as fh:
         np.savez(
@@ -89,7 +102,7 @@ def _load(path: Path) -> Tokenised:
         meta = json.loads(f["meta"].tobytes())
     spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
     return Tokenised([ids[a:b] for a, b in spans], [masks[a:b] for a, b in spans], meta["sources"], meta["skipped"],
-                     meta["problems"])
+                     meta["problems"], meta["origins"])
 
 
 def _owner_is_gone(lock: Path) -> bool:

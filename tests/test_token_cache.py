@@ -1,5 +1,6 @@
-"""The tokenised dataset is cached: a second start loads it, any change re-tokenises, and
-on a first start one process tokenises while the others wait for it."""
+"""The tokenised dataset is cached: a second start loads it, any change re-tokenises (not
+a change of mixing weights), and on a first start one process tokenises while the
+others wait for it."""
 
 import json
 import os
@@ -30,8 +31,8 @@ def tokenizer():
 def calls(monkeypatch):
     """How many conversations were tokenised."""
     counted = []
-    real = dflash.data.tokenize_conversation
-    monkeypatch.setattr(dflash.data, "tokenize_conversation", lambda tok, m: counted.append(1) or real(tok, m))
+    real = dflash.data.conversation_samples
+    monkeypatch.setattr(dflash.data, "conversation_samples", lambda tok, m, kw: counted.append(1) or real(tok, m, kw))
     return counted
 
 
@@ -40,8 +41,9 @@ def write(path: Path, records) -> Path:
     return path
 
 
-def load(path, tokenizer, cache, max_len=320):
-    return load_dataset(str(path), tokenizer, max_len=max_len, min_loss_tokens=2, strict=False, cache_dir=cache)
+def load(path, tokenizer, cache, max_len=320, **kw):
+    path = str(path) if isinstance(path, Path) else [str(p) for p in path]
+    return load_dataset(path, tokenizer, max_len=max_len, min_loss_tokens=2, strict=False, cache_dir=cache, **kw)
 
 
 def test_a_second_start_loads_what_the_first_tokenised(tmp_path, tokenizer, calls):
@@ -64,6 +66,34 @@ def test_a_changed_file_or_option_tokenises_again(tmp_path, tokenizer, calls):
     assert len(calls) == 2 + 3
     load(data, tokenizer, tmp_path / "cache", max_len=100)  # another option
     assert len(calls) == 2 + 3 + 3
+
+
+def test_a_changed_parquet_file_or_saved_dataset_tokenises_again(tmp_path, tokenizer, calls):
+    import datasets  # here, not at the top: the spawned processes below import this module
+
+    parquet, saved = tmp_path / "d.parquet", tmp_path / "saved"
+    datasets.Dataset.from_list([GOOD, OTHER]).to_parquet(parquet)
+    datasets.Dataset.from_list([GOOD]).save_to_disk(saved)
+    load([parquet, saved], tokenizer, tmp_path / "cache")
+    load([parquet, saved], tokenizer, tmp_path / "cache")
+    assert len(calls) == 3
+    datasets.Dataset.from_list([OTHER]).save_to_disk(saved)
+    load([parquet, saved], tokenizer, tmp_path / "cache")
+    assert len(calls) == 3 + 3
+    datasets.Dataset.from_list([OTHER, GOOD]).to_parquet(parquet)
+    load([parquet, saved], tokenizer, tmp_path / "cache")
+    assert len(calls) == 3 + 3 + 3
+
+
+def test_weights_reuse_the_cache_and_the_grouping_of_paths_does_not(tmp_path, tokenizer, calls):
+    a, b = write(tmp_path / "a.jsonl", [GOOD, OTHER]), write(tmp_path / "b.jsonl", [GOOD])
+    mixed = load([a, b], tokenizer, tmp_path / "cache", weights=[1, 2])
+    assert len(mixed) == 4 and len(calls) == 3
+    assert len(load([a, b], tokenizer, tmp_path / "cache", weights=[0.5, 3])) == 4 and len(calls) == 3
+    load(tmp_path, tokenizer, tmp_path / "cache")  # the same files as one source
+    assert len(calls) == 6
+    load([a, b], tokenizer, tmp_path / "cache", template_kwargs={"enable_thinking": False})
+    assert len(calls) == 9
 
 
 def test_strict_fails_from_the_cache_too(tmp_path, tokenizer):
