@@ -9,10 +9,20 @@ a fixed micro-batch and anchor count), so after warmup nothing should compile
 or record again: :class:`CompileGuard` counts it if it does.
 
 Warmup is staggered: ranks compile in turns, one turn at a time, between
-barriers. The first turn compiles cold and fills the inductor cache; later
-turns load from it in seconds instead of all ranks compiling everything at
-once. This only pays when ranks share the device index (every rank sees its GPU
-as ``cuda:0``, see ``launch.sh``) and the cache directory.
+barriers. The first rank of each role compiles in the first turn; what it
+compiled (FX graphs, AOTAutograd entries and, on CUDA, the Triton kernels they
+bundle) is serialised with ``torch.compiler.save_cache_artifacts`` and handed to
+the ranks of later turns, which load it into their own cache and warm up in
+seconds instead of all ranks compiling everything at once. The bytes travel over
+the job's control plane (:mod:`dflash.protocol`), so nodes need no shared
+filesystem; ranks must still share the device index (every rank sees its GPU as
+``cuda:0``, see ``launch.sh``), which is part of the cache key.
+
+The cache itself lives in ``compile.cache_dir`` (by default a chosen
+``TORCHINDUCTOR_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflash/compile`` or
+``~/.cache/dflash/compile``), so a second launch with the same settings loads
+instead of compiling; inductor's own default under ``/tmp`` does not survive a
+reboot.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import torch._functorch.config
 import torch._inductor.config
 from omegaconf import DictConfig
 from torch._dynamo.utils import counters
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +79,7 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
         turns = 2 if device.type == "cuda" else 1
     if int(turns) < 1:
         raise ValueError(f"compile.warmup_turns={turns} must be >= 1 or auto")
-    if c.cache_dir:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(c.cache_dir)
+    use_cache_dir(c.cache_dir)
     # The loss is a custom autograd.Function whose forward and backward are pure
     # tensor code traced into the graph that keys the cache, so caching it is
     # sound; without this, ranks that warm up later re-trace instead of loading.
@@ -87,6 +97,37 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
         strict=bool(c.strict),
         warmup_turns=int(turns),
     )
+
+
+def persistent_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/dflash/compile``, else ``~/.cache/dflash/compile``: unlike
+    inductor's default under ``/tmp``, it survives a reboot."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(root, "dflash", "compile")
+
+
+def chosen_cache_dir() -> str | None:
+    """``TORCHINDUCTOR_CACHE_DIR`` if someone chose it (a benchmark or sweep picking a
+    fresh cache, say). Importing ``torch._dynamo`` writes inductor's default there, so
+    that value counts as unset."""
+    found = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not found or os.path.abspath(found) == os.path.abspath(default_cache_dir()):
+        return None
+    return found
+
+
+def use_cache_dir(setting: str | None) -> str:
+    """Point inductor's FX graph, AOTAutograd and Triton caches, which all live under
+    ``TORCHINDUCTOR_CACHE_DIR``, at ``compile.cache_dir``: ``auto`` is
+    :func:`chosen_cache_dir`, else :func:`persistent_cache_dir`; a path is that path
+    (``~`` expanded); None leaves inductor its own choice. Returns the directory in effect."""
+    if setting == "auto":
+        setting = chosen_cache_dir() or persistent_cache_dir()
+    if setting:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(os.path.expanduser(str(setting)))
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    log.info("compile cache: %s", where)
+    return where
 
 
 def assert_main_thread() -> None:
@@ -163,24 +204,67 @@ def share_compile_threads(ranks_compiling: int) -> None:
         torch._inductor.config.compile_threads = max(1, (os.cpu_count() or 1) // max(1, ranks_compiling))
 
 
+def save_artifacts() -> bytes:
+    """Everything this process compiled or loaded from its cache, serialised (empty
+    when nothing was: the ``aot_eager`` backend writes no cache)."""
+    saved = torch.compiler.save_cache_artifacts()
+    return saved[0] if saved is not None else b""
+
+
+def load_artifacts(data: bytes) -> int:
+    """Write another process's :func:`save_artifacts` into this process's cache, so
+    compiling the same graphs hits it. Returns the bytes loaded (0 when the bytes
+    were empty or did not deserialise: then this rank simply compiles)."""
+    if not data or torch.compiler.load_cache_artifacts(data) is None:
+        return 0
+    return len(data)
+
+
+def warm_source(counts: dict[str, int], received: int) -> str:
+    """How a rank came by its compiled code: ``compiled`` (any cache miss, or a backend
+    without a cache), ``received`` (artifacts from its role's first rank, then only
+    hits), ``loaded from disk`` (only hits), or ``nothing compiled``."""
+    if not counts["graphs"]:
+        return "nothing compiled"
+    hits = counts["fx_cache_hits"] + counts["aot_cache_hits"]
+    if counts["fx_cache_misses"] or counts["aot_cache_misses"] or not hits:
+        return "compiled"
+    return "received" if received else "loaded from disk"
+
+
 def staggered_warmup(
-    warm: Callable[[], None], turn: int, turns: int, barrier: Callable[[int], None] | None = None
+    warm: Callable[[], None],
+    turn: int,
+    turns: int,
+    barrier: Callable[[int], None] | None = None,
+    receive: Callable[[], bytes] | None = None,
+    send: Callable[[bytes], None] | None = None,
 ) -> dict:
     """Run ``warm`` in ``turn`` of ``turns``; every rank calls ``barrier(t)`` after each turn
-    ``t`` (``None``: one process, no barrier). Returns this rank's wall time and its
-    compile-cache hits and misses."""
+    ``t`` (``None``: one process, no barrier). In its turn a rank first loads the
+    artifacts ``receive`` returns, and after warming up hands its own to ``send``.
+    Returns this rank's wall time, compile-cache hits and misses, how it came by
+    its compiled code (:func:`warm_source`) and the artifact bytes it received or sent."""
     before = compile_counts()
     began = ended = time.time()
+    received = sent = 0
     for current in range(turns):
         if current == turn:
             began = time.time()
+            if receive is not None:
+                received = load_artifacts(receive())
             warm()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            if send is not None:
+                artifacts = save_artifacts()
+                send(artifacts)
+                sent = len(artifacts)
             ended = time.time()
         if barrier is not None:
             barrier(current)
     after = compile_counts()
     report = {k: after[k] - before[k] for k in after}
-    report.update(turn=turn, wall_s=round(ended - began, 2), began=began, ended=ended)
+    report.update(turn=turn, wall_s=round(ended - began, 2), began=began, ended=ended,
+                  cache=warm_source(report, received), artifacts_received=received, artifacts_sent=sent)
     return report
