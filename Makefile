@@ -13,11 +13,11 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 
-# one target process and one drafter process; the run ends with speculative decoding on held-out
-# prompts, then the pictures of the run in outputs/demo/report/
+# one target process and one drafter process; speculative decoding on held-out prompts every 100
+# steps and at the end, then the pictures of the run in outputs/demo/report/
 demo: install
 	rm -rf outputs/demo
-	PYTHON=$(PY) NPROC=2 ./launch.sh topology.target_ranks=1
+	PYTHON=$(PY) NPROC=2 ./launch.sh topology.target_ranks=1 eval.every=100
 	$(PY) -m dflash.report outputs/demo
 
 test: install

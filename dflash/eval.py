@@ -44,8 +44,9 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Generator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -58,6 +59,8 @@ from dflash.model import DFlashDrafter, TargetHead
 from dflash.target import TargetSource
 
 log = logging.getLogger("dflash.eval")
+
+T = TypeVar("T")
 
 
 
@@ -129,8 +132,17 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -
     return tokens[:max_new_tokens]
 
 
+def run_to_end(steps: Generator[None, None, T]) -> T:
+    """Drive a sliced computation (below) to its end and return its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
 @torch.inference_mode()
-def speculative_generate(
+def speculative_steps(
     target_model: nn.Module,
     drafter: DFlashDrafter,
     head: TargetHead,
@@ -140,8 +152,10 @@ def speculative_generate(
     eos_ids: Collection[int] = (),
     generator: torch.Generator | None = None,
     block_size: int | None = None,
-) -> tuple[list[int], list[int]]:
-    """Generate from ``prompt_ids`` ``[1, S]``; returns (new tokens, acceptance length per cycle).
+) -> Generator[None, None, tuple[list[int], list[int]]]:
+    """Generate from ``prompt_ids`` ``[1, S]``, pausing after every drafting cycle;
+    returns (new tokens, acceptance length per cycle). The pauses let a target rank
+    run an evaluation in the gaps between its training work (:mod:`dflash.live_eval`).
 
     Invariant between cycles: the target cache and the context features both
     cover positions ``0..p-1``; the newest token sits at ``p`` and is in neither.
@@ -177,14 +191,21 @@ def speculative_generate(
         new = drafts[:n].tolist() + [bonus]
         tokens += new
         lengths.append(n + 1)
+        yield
     return truncate(tokens, max_new_tokens, eos_ids), lengths
 
 
+def speculative_generate(*args, **kwargs) -> tuple[list[int], list[int]]:
+    """:func:`speculative_steps` in one call."""
+    return run_to_end(speculative_steps(*args, **kwargs))
+
+
 @torch.inference_mode()
-def greedy_generate(
+def greedy_steps(
     target_model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, eos_ids: Collection[int] = ()
-) -> list[int]:
-    """Plain one-token-at-a-time greedy decoding: the reference ``lossless`` is judged against."""
+) -> Generator[None, None, list[int]]:
+    """Plain one-token-at-a-time greedy decoding, the reference ``lossless`` is judged
+    against; pauses after every token."""
     cache = DynamicCache(config=target_model.config)
     logits = with_cache(target_model, cache, input_ids=prompt_ids, logits_to_keep=1).logits
     tokens: list[int] = []
@@ -194,6 +215,12 @@ def greedy_generate(
             return tokens
         step = torch.tensor([[tokens[-1]]], device=prompt_ids.device)
         logits = with_cache(target_model, cache, input_ids=step).logits
+        yield
+
+
+def greedy_generate(*args, **kwargs) -> list[int]:
+    """:func:`greedy_steps` in one call."""
+    return run_to_end(greedy_steps(*args, **kwargs))
 
 
 # ---------------------------------------------------------------------------
@@ -274,7 +301,7 @@ def tau(acceptance: list[list[int]]) -> float | None:
     return sum(per_response) / len(per_response) if per_response else None
 
 
-def evaluate(
+def evaluate_steps(
     target_model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     drafter: DFlashDrafter,
@@ -284,8 +311,10 @@ def evaluate(
     temperature: float = 0.0,
     seed: int = 0,
     block_size: int | None = None,
-) -> dict:
+) -> Generator[None, None, dict]:
     """Speculative decoding over ``prompts``; at temperature 0 also the lossless check.
+    Pauses after every drafting cycle and every baseline token (``wall_s`` then
+    includes whatever ran in the pauses).
 
     Each prompt gets its own generator seeded ``seed + index``, so a sampled
     response does not depend on which prompts ran before it.
@@ -300,7 +329,7 @@ def evaluate(
     outputs, acceptance = [], []
     for i, ids in enumerate(encoded):
         generator = torch.Generator(device).manual_seed(seed + i)
-        tokens, lengths = speculative_generate(
+        tokens, lengths = yield from speculative_steps(
             target_model, drafter, head, ids, max_new_tokens, temperature, eos_ids, generator, block_size
         )
         outputs.append(tokens)
@@ -310,7 +339,9 @@ def evaluate(
     lossless = baseline_wall_s = None
     if temperature == 0:
         started = time.perf_counter()
-        baseline = [greedy_generate(target_model, ids, max_new_tokens, eos_ids) for ids in encoded]
+        baseline = []
+        for ids in encoded:
+            baseline.append((yield from greedy_steps(target_model, ids, max_new_tokens, eos_ids)))
         baseline_wall_s = time.perf_counter() - started
         lossless = outputs == baseline
 
@@ -326,6 +357,11 @@ def evaluate(
         "wall_s": wall_s,
         "baseline_wall_s": baseline_wall_s,
     }
+
+
+def evaluate(*args, **kwargs) -> dict:
+    """:func:`evaluate_steps` in one call."""
+    return run_to_end(evaluate_steps(*args, **kwargs))
 
 
 def evaluate_datasets(

@@ -51,9 +51,14 @@ class MetricsLogger:
                 id=wandb_run_id(output_dir, start_step),
                 resume="allow",
             )
+            # evaluations come back after later steps were logged: they get their own x-axis
+            self.run.define_metric("eval/step")
+            self.run.define_metric("eval/*", step_metric="eval/step")
         self._last = self._began = time.perf_counter()
         self._start_step = start_step
         self._samples = self._tokens = 0
+        self._tau_sim: dict[int, float] = {}
+        self._acc: list[float] = []
 
     def _keep_until(self, step: int) -> None:
         """A fresh run starts an empty file; a resumed one drops records past its
@@ -83,9 +88,10 @@ class MetricsLogger:
             **{f"acc_{k}": float(a) for k, a in enumerate(acc.tolist()) if k >= 1},
             **(extra or {}),
         }
+        self._tau_sim[step] = record["tau_sim"]
+        self._acc = [record[f"acc_{k}"] for k in range(1, len(acc))]
         if self.enabled:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+            self._append(record)
             if self.run is not None:
                 self.run.log(record, step=step)
             per_step = (now - self._began) / max(1, step - self._start_step)
@@ -96,6 +102,42 @@ class MetricsLogger:
                 record["samples_per_s"], eta,
             )
         return record
+
+    def log_data(self, summary: dict) -> None:
+        """What the data held at this start: trainable samples and every skip by reason,
+        with the first of their ``file:line`` locations."""
+        record = {"step": self._start_step, **{f"data/{k}": v for k, v in summary.items()}}
+        if not self.enabled:
+            return
+        self._append(record)
+        if self.run is not None:
+            self.run.summary.update({"data/samples": summary["samples"],
+                                     **{f"data/skipped/{k}": n for k, n in summary["skipped"].items()}})
+
+    def log_eval(self, record: dict) -> None:
+        """A speculative-decoding evaluation (:mod:`dflash.live_eval`) beside the
+        ``tau_sim`` of its step; on W&B also the acceptance histogram and the latest
+        per-position training acceptance as bar charts."""
+        record = {**record, "eval/tau_sim": self._tau_sim.get(record["step"])}
+        if not self.enabled:
+            return
+        self._append(record)
+        if self.run is not None:
+            import wandb
+
+            hist = [[int(k.removeprefix("eval/hist_")), n] for k, n in record.items() if k.startswith("eval/hist_")]
+            charts = {
+                "eval/histogram": wandb.plot.bar(wandb.Table(data=hist, columns=["accepted", "cycles"]), "accepted",
+                                                 "cycles", title="Tokens accepted per drafting cycle"),
+                "acc_by_position": wandb.plot.bar(
+                    wandb.Table(data=[[k, a] for k, a in enumerate(self._acc, 1)], columns=["position", "acceptance"]),
+                    "position", "acceptance", title="Training acceptance by block position"),
+            }
+            self.run.log({**{k: v for k, v in record.items() if k != "step"}, "eval/step": record["step"], **charts})
+
+    def _append(self, record: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
     def close(self, summary: dict | None = None) -> None:
         if self.run is not None:

@@ -6,7 +6,8 @@ order, so a phase cannot exist on one side only::
     start()                 join, create the groups, first contact on every link
     agree_steps(n)          target rank 0 announces the step count (it read the data)
     agree_start(s)          the metrics rank announces the resume step
-    warmup(warm, turn)      staggered compile turns, then everyone's warmup report
+    warmup(warm, turn)      staggered compile turns (later turns load the compiled artifacts
+                            of their role's first rank), then everyone's warmup report
     ... training: bundles on the pair groups, gradients on the drafter group;
         targets poll stopped(), the metrics rank calls announce_stop(step) ...
     final_step()            targets wait for that announcement
@@ -59,6 +60,12 @@ log = logging.getLogger(__name__)
 # The backends' own timeouts (the NCCL watchdog aborts the process) stand behind the
 # phase timeouts, so the first message names the phase and the peers.
 BACKEND_GRACE_S = 60.0
+# The libuv TCPStore server (torch's default) drops a client that sends a value over
+# 8 MiB, so larger values (compiled artifacts) travel in chunks of this size.
+STORE_CHUNK_BYTES = 4 * 2**20
+
+
+AGREE_STEPS = "waiting for target rank 0 to load the target and the data"
 
 
 class ProtocolError(RuntimeError):
@@ -83,6 +90,7 @@ class Protocol:
         self.store: dist.Store | None = None
         self.pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
         self.drafters: dist.ProcessGroup | None = None
+        self.eval_link: dist.ProcessGroup | None = None  # target 0 and the metrics rank (dflash.live_eval)
 
     @property
     def rank(self) -> int:
@@ -126,6 +134,7 @@ class Protocol:
                 for d in topo.drafter_ranks:
                     self.pairs[(t, d)] = dist.new_group([t, d], timeout=backend_timeout, group_desc=f"bundles_t{t}_d{d}")
             self.drafters = dist.new_group(topo.drafter_ranks, timeout=backend_timeout, group_desc="drafters")
+            self.eval_link = dist.new_group([0, topo.metrics_rank], timeout=backend_timeout, group_desc="eval_weights")
         self._first_contact()
         self._gather("connecting every target to every drafter", None, range(topo.world_size), init)
 
@@ -146,6 +155,13 @@ class Protocol:
                     work.wait()
                 if int(buf.item()) != t:
                     raise ProtocolError(f"rank {self.rank}: first contact from target {t} carried {int(buf.item())}")
+        if self.rank in (0, topo.metrics_rank):
+            peer = topo.metrics_rank if self.rank == 0 else 0
+            with self._failing("first contact on the link for evaluation weights", init, [peer]):
+                buf = torch.ones(1, device=self.device)
+                dist.all_reduce(buf, group=self.eval_link)
+                if int(buf.item()) != 2:
+                    raise ProtocolError(f"rank {self.rank}: the evaluation link counted {int(buf.item())} ranks")
         if not topo.is_target:
             with self._failing("first all-reduce of the drafter group", init, self.other_drafters()):
                 one = torch.ones(1, device=self.device)
@@ -155,11 +171,16 @@ class Protocol:
 
     # -- set-up ---------------------------------------------------------------------------
 
-    def agree_steps(self, steps: int | None) -> int:
+    def agree_steps(self, steps: int | None, data: dict | None = None) -> int:
         """The total step count, from target rank 0 (it read the data); ``steps`` is
-        ignored on every other rank."""
-        mine = steps if self.rank == 0 else None
-        return self._gather("waiting for target rank 0 to load the target and the data", mine, [0], self.timeouts.warmup_s)[0]
+        ignored on every other rank. Rank 0's ``data`` summary (samples, skips) goes
+        along for the metrics rank (:meth:`data_summary`)."""
+        mine = {"steps": steps, "data": data} if self.rank == 0 else None
+        return self._gather(AGREE_STEPS, mine, [0], self.timeouts.warmup_s)[0]["steps"]
+
+    def data_summary(self) -> dict | None:
+        """What target rank 0 said about its data in :meth:`agree_steps`."""
+        return json.loads(self.store.get(f"{AGREE_STEPS}/0"))["data"]
 
     def agree_start(self, start: int | None) -> int:
         """The step training resumes from, from the metrics rank (it read the checkpoint)."""
@@ -168,10 +189,13 @@ class Protocol:
         what = f"waiting for drafter rank {source} to build the drafter and read any checkpoint"
         return self._gather(what, mine, [source], self.timeouts.warmup_s)[source]
 
-    def warmup(self, warm: Callable[[], None], turn: int, turns: int) -> list[dict]:
+    def warmup(self, warm: Callable[[], None], turn: int, turns: int, share: bool = False) -> list[dict]:
         """Run ``warm`` in turn ``turn`` of ``turns``: the ranks of a turn compile while the
-        others wait, so later turns load what the first compiled. Each turn is bounded by
-        ``warmup_s``. Returns every rank's warmup report, in rank order."""
+        others wait. With ``share`` (the role compiles) the first rank of each role, which
+        warms up in turn 0, sends what it compiled through the store and the role's ranks
+        of later turns load it first, so they need neither a shared filesystem nor a
+        compile of their own. Each turn is bounded by ``warmup_s``. Returns every rank's
+        warmup report, in rank order."""
         limit = self.timeouts.warmup_s
 
         def watched() -> None:
@@ -181,9 +205,55 @@ class Protocol:
         def barrier(current: int) -> None:
             self._gather(f"compile warmup turn {current}, ranks still compiling", None, range(self.topo.world_size), limit)
 
-        report = staggered_warmup(watched, turn, turns, barrier)
-        role = "target" if self.topo.is_target else "drafter"
-        return self._all_values("warmup reports", {"rank": self.rank, "role": role, **report})
+        receive, send = self._artifact_links(turn, turns) if share else (None, None)
+        report = staggered_warmup(watched, turn, turns, barrier, receive, send)
+        return self._all_values("warmup reports", {"rank": self.rank, "role": self._role(), **report})
+
+    def _role(self) -> str:
+        return "target" if self.topo.is_target else "drafter"
+
+    def _artifact_links(
+        self, turn: int, turns: int
+    ) -> tuple[Callable[[], bytes] | None, Callable[[bytes], None] | None]:
+        """This rank's part in handing compiled artifacts on: the role's first rank sends
+        at the end of turn 0, its ranks of later turns receive before theirs. A role of
+        one rank, or one turn, hands nothing on."""
+        topo, role = self.topo, self._role()
+        members = list(range(topo.num_targets)) if topo.is_target else topo.drafter_ranks
+        if turns == 1 or len(members) == 1:
+            return None, None
+        key, source = f"compile_artifacts/{role}", members[0]
+        if self.rank == source:
+            if turn != 0:
+                raise ValueError(f"rank {self.rank}: the first {role} rank hands its compiled artifacts on, "
+                                 f"so it warms up in turn 0, not {turn}")
+            return None, lambda data: put_bytes(self.store, key, data)
+        if turn == 0:
+            return None, None
+
+        def receive() -> bytes:
+            what = f"receiving the compiled {role} from rank {source}"
+            self._wait([f"{key}/chunks"], what, [source], self.timeouts.warmup_s)
+            return get_bytes(self.store, key)
+
+        return receive, None
+
+    # -- evaluation while training (dflash.live_eval) -----------------------------------------
+
+    def request_eval(self, step: int) -> None:
+        """The metrics rank: the weights after ``step`` are on their way to target rank 0."""
+        self.store.set("eval/request", json.dumps(step))
+
+    def eval_requested(self) -> int | None:
+        """Target rank 0, per micro-batch: the newest step offered, if any."""
+        return json.loads(self.store.get("eval/request")) if self.store.check(["eval/request"]) else None
+
+    def post_eval_result(self, record: dict) -> None:
+        self.store.set(f"eval/result/{record['step']}", json.dumps(record))
+
+    def eval_result(self, step: int) -> dict | None:
+        key = f"eval/result/{step}"
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     # -- the end of training --------------------------------------------------------------
 
@@ -254,6 +324,21 @@ class Protocol:
                 yield
             except dist.DistError as e:
                 raise ProtocolError(describe(self.rank, what, timeout_s, peers) + f": {e}") from e
+
+
+def put_bytes(store: dist.Store, key: str, data: bytes) -> None:
+    """``data`` under ``key`` in chunks the store accepts; the chunk count, written
+    last, says the value is complete (wait for ``<key>/chunks``)."""
+    starts = range(0, len(data), STORE_CHUNK_BYTES)
+    for i, start in enumerate(starts):
+        store.set(f"{key}/{i}", data[start : start + STORE_CHUNK_BYTES])
+    store.set(f"{key}/chunks", str(len(starts)))
+
+
+def get_bytes(store: dist.Store, key: str) -> bytes:
+    """What :func:`put_bytes` wrote under ``key``, once ``<key>/chunks`` exists."""
+    count = int(store.get(f"{key}/chunks"))
+    return b"".join(store.get(f"{key}/{i}") for i in range(count))
 
 
 def free_port() -> int:

@@ -37,14 +37,17 @@ def _read(run_dir: Path, name: str):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _records(run_dir: Path) -> list[dict]:
+def _records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """The training steps and the evaluations while training (``eval.every``), each by step."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{run_dir} has no metrics.jsonl: not a dflash output directory")
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not records:
-        raise ValueError(f"{path} is empty: the run logged no step yet")
-    return records
+    steps = sorted((r for r in records if "loss" in r), key=lambda r: r["step"])
+    evals = sorted((r for r in records if "eval/tau" in r), key=lambda r: r["step"])
+    if not steps:
+        raise ValueError(f"{path} holds no step yet")
+    return steps, evals
 
 
 def _eval_results(report: dict | None) -> list[tuple[str, dict]]:
@@ -71,10 +74,10 @@ def plot_loss(records: list[dict], out: Path) -> Path:
     return _save(fig, out / "loss.png")
 
 
-def plot_acceptance(records: list[dict], evaluation: dict | None, out: Path) -> Path:
+def plot_acceptance(records: list[dict], evals: list[dict], evaluation: dict | None, out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot([r["step"] for r in records], [r["tau_sim"] for r in records], label="tau_sim (training)")
-    periodic = [r for r in records if r.get("eval/tau") is not None]
+    periodic = [r for r in evals if r["eval/tau"] is not None]
     if periodic:
         ax.plot([r["step"] for r in periodic], [r["eval/tau"] for r in periodic], "o-", label="tau (speculative decoding)")
     for name, result in _eval_results(evaluation):
@@ -161,7 +164,7 @@ def plot_health(records: list[dict], ranks: list[dict] | None, out: Path) -> Pat
 def write_report(run_dir: str | Path) -> Path:
     """Every plot this run's files allow, and ``report/report.md``; returns that path."""
     run_dir = Path(run_dir)
-    records = _records(run_dir)
+    records, evals = _records(run_dir)
     evaluation, ranks = _read(run_dir, "eval.json"), _read(run_dir, "ranks.json")
     config = run_dir / "config.yaml"
     batch_size = OmegaConf.load(config).train.batch_size if config.is_file() else None
@@ -169,7 +172,7 @@ def write_report(run_dir: str | Path) -> Path:
     out.mkdir(exist_ok=True)
     plots = {
         "Loss and learning rate": plot_loss(records, out),
-        "Simulated against real acceptance": plot_acceptance(records, evaluation, out),
+        "Simulated against real acceptance": plot_acceptance(records, evals, evaluation, out),
         "Per-position accuracy": plot_positions(records, out),
         "Acceptance histogram of the export": plot_histogram(evaluation, out),
         "Throughput and waiting": plot_throughput(records, batch_size, out),
@@ -182,6 +185,9 @@ def write_report(run_dir: str | Path) -> Path:
         f"{last['step']} steps; final loss {last['loss']:.4f}, tau_sim {last['tau_sim']:.2f}, "
         f"{last['samples_per_s']:.1f} samples/s.",
     ]
+    if evals:
+        taus = ", ".join(f"{r['eval/tau']:.2f} at step {r['step']}" for r in evals if r["eval/tau"] is not None)
+        lines.append(f"Speculative decoding while training: tau {taus}.")
     for name, result in _eval_results(evaluation):
         lossless = {None: "not checked", True: "lossless", False: "NOT lossless"}[result["lossless"]]
         lines.append(f"Speculative decoding with the export on `{name}`: tau {result['tau']}, {lossless}.")

@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.build import Job, TargetSide, build_target_side, build_trainer, warm_drafter
+from dflash.build import Job, TargetSide, build_target_side, build_trainer, drafter_config, warm_drafter
 from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.checkpoint import load_checkpoint, resume_candidates, save_checkpoint
 from dflash.compile import CompileGuard, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.export import save_export
+from dflash.live_eval import EvalServer, Evaluator, LocalEval, RemoteEval, live_eval_settings
 from dflash.metrics import MetricsLogger
 from dflash.protocol import Protocol
 from dflash.step import DrafterTrainer
@@ -39,10 +40,12 @@ Feed = Callable[[int], Iterator[tuple[MicroBatch, PrefillOutput]]]
 
 
 def log_warmup(cfg: DictConfig, reports: list[dict]) -> None:
-    """One line per rank and ``warmup.json``: who compiled, who loaded from the cache."""
+    """One line per rank and ``warmup.json``: who compiled, who loaded its cache from
+    disk, who received its role's first rank's artifacts, and the bytes handed on."""
     lines = [
-        f"  rank {r['rank']} ({r['role']}, turn {r['turn']}): {r['wall_s']:.1f} s, {r['graphs']} graphs, "
-        f"FX cache {r['fx_cache_hits']} hits / {r['fx_cache_misses']} misses, "
+        f"  rank {r['rank']} ({r['role']}, turn {r['turn']}): {r['wall_s']:.1f} s, {r['cache']}, "
+        f"artifacts {r['artifacts_received'] / 1e6:.1f} MB in / {r['artifacts_sent'] / 1e6:.1f} MB out, "
+        f"{r['graphs']} graphs, FX cache {r['fx_cache_hits']} hits / {r['fx_cache_misses']} misses, "
         f"AOT cache {r['aot_cache_hits']} hits / {r['aot_cache_misses']} misses"
         for r in reports
     ]
@@ -84,9 +87,11 @@ def run_steps(
     guard: CompileGuard,
     proto: Protocol | None = None,
     pipeline: Callable[[], dict] | None = None,
+    evaluator: LocalEval | RemoteEval | None = None,
 ) -> int:
     """The optimizer-step loop shared by the colocated and drafter roles; ``proto`` is
-    None in one process. Returns the last completed step."""
+    None in one process. ``evaluator`` runs speculative decoding every ``eval.every``
+    steps (:mod:`dflash.live_eval`). Returns the last completed step."""
     train, ckpt_root = cfg.train, Path(cfg.output_dir) / "checkpoints"
     group = proto.drafters if proto else None
     def bounded(what: str):
@@ -116,6 +121,8 @@ def run_steps(
                 metrics.count(result)
                 if step % train.log_every == 0 or step == steps:
                     metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
+            for record in evaluator.after_step(step, trainer.drafter) if evaluator else ():
+                metrics.log_eval(record)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stopping:
                 with bounded(f"saving the checkpoint of step {step}"):
                     save_checkpoint(ckpt_root, step, trainer.drafter, trainer.optimizer, trainer.scheduler,
@@ -195,8 +202,11 @@ def run_colocated(job: Job) -> dict:
     metrics = MetricsLogger(
         Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
     )
+    metrics.log_data(side.dataset.summary())
+    live = live_eval_settings(cfg)
+    evaluator = LocalEval(Evaluator(side.target, side.tokenizer, head, trainer.drafter.config, live), steps) if live else None
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard)
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, evaluator=evaluator)
     summary = {
         "steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"],
         "peak_gib": peak_memory_gib(device),
@@ -211,8 +221,8 @@ def run_colocated(job: Job) -> dict:
 
 
 def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], None]) -> None:
-    """This rank's turn in the staggered warmup; the metrics rank records what each rank
-    compiled or loaded."""
+    """This rank's turn in the staggered warmup, handing compiled artifacts on within a
+    role that compiles; the metrics rank records what each rank compiled, loaded or received."""
     turns = job.compile.warmup_turns
 
     def turn(rank: int) -> int:
@@ -223,7 +233,8 @@ def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], N
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     node = range(topo.rank - topo.rank % per_node, topo.rank - topo.rank % per_node + per_node)
     share_compile_threads(sum(turn(r) == mine for r in node))
-    reports = proto.warmup(warm, mine, turns)
+    compiles = job.compile.target if topo.is_target else job.compile.drafter
+    reports = proto.warmup(warm, mine, turns, share=compiles)
     if topo.rank == topo.metrics_rank:
         log_warmup(job.cfg, reports)
 
@@ -233,18 +244,22 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     until the data ends or the drafters say training stopped."""
     cfg, plan, device = job.cfg, job.plan, job.device
     side = build_target_side(job)
-    steps = proto.agree_steps(plan.total_steps(len(side.dataset)))
+    steps = proto.agree_steps(plan.total_steps(len(side.dataset)), side.dataset.summary())
     start = proto.agree_start(None)
     warm_in_turn(job, topo, proto, lambda: side.warm() if job.compile.target else None)
     guard = CompileGuard(job.compile.strict)
     guard.arm()
-    sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, cfg.topology.max_in_flight)
+    server = eval_server(job, topo, proto, side)
+    sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, cfg.topology.max_in_flight,
+                          server.idle if server and server.sliced else None)
     first, last = start * plan.micro_per_step, steps * plan.micro_per_step
     signal.signal(signal.SIGTERM, lambda *_: log.warning("SIGTERM: producing until the drafters have checkpointed"))
     try:
         for m in topo.produced_by(topo.rank, first, last):
             if proto.stopped():
                 break
+            if server:
+                server.receive()
             drafter = topo.consumer(m)
             with proto.phase(f"producing micro-batch {m} for drafter {drafter}", proto.timeouts.step_s, [drafter]):
                 batch, prefill = side.produce(m)
@@ -258,9 +273,13 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
         sender.send_flag(drafter, last, FLAG_END)
     with proto.phase("delivering the last bundles", proto.timeouts.step_s, topo.drafter_ranks):
         sender.drain()
+    if server:
+        server.until_stopped()
     final_step = proto.final_step()
     proto.export_written()
     summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
+    if server:
+        summary["eval_s"] = round(server.eval_s, 2)
     record_ranks(cfg, proto, summary, device)
     if topo.rank == 0 and final_step == steps and cfg.eval.enabled and cfg.data.eval_path:
         report = evaluate_export(cfg, side, Path(cfg.output_dir) / "export")
@@ -295,9 +314,13 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     metrics = MetricsLogger(
         Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
     )
+    if is_metrics:
+        metrics.log_data(proto.data_summary())
     counters = PipelineCounters(receiver, topo.num_targets, proto.drafters, device)
+    live = live_eval_settings(cfg) if is_metrics else None
+    evaluator = RemoteEval(proto, live, head.embed_weight.dtype, steps) if live else None
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, proto, counters.step)
+    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, proto, counters.step, evaluator)
     if is_metrics:
         proto.announce_stop(step)
     for target in range(topo.num_targets):
@@ -305,6 +328,8 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
             unused = receiver.drain(target)
         if step == steps and unused:
             raise RuntimeError(f"rank {topo.rank}: target {target} sent {unused} bundles past the last step")
+    for record in evaluator.finish() if evaluator else ():  # after the drain: target 0 evaluates once its data ends
+        metrics.log_eval(record)
     summary = {
         "role": "drafter", "steps": step, "train_s": round(time.perf_counter() - started, 1),
         "receive_wait_s": round(receiver.wait_s, 2), "bytes_received": receiver.bytes_received,
@@ -315,6 +340,17 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     record_ranks(cfg, proto, summary, device)
     metrics.close(summary)
     return summary
+
+
+def eval_server(job: Job, topo: Topology, proto: Protocol, side: TargetSide) -> EvalServer | None:
+    """Target rank 0 serves the evaluations while training, when ``eval.every`` asks."""
+    live = live_eval_settings(job.cfg)
+    if live is None or topo.rank != 0:
+        return None
+    config = drafter_config(job, resolve_mask_token_id(side.tokenizer, side.target.head().vocab_size,
+                                                       job.cfg.target.mask_token_id))
+    evaluator = Evaluator(side.target, side.tokenizer, side.target.head(), config, live)
+    return EvalServer(proto, evaluator, sliced=job.device.type == "cuda")
 
 
 def peak_memory_gib(device: torch.device) -> float | None:

@@ -10,7 +10,8 @@ serving engines' ``target_layer_ids``.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,19 @@ class Target:
         """Back to the eager layers, for decoding: its shapes change every step."""
         for layer in decoder_layers(self.model):
             layer.__dict__.pop("forward", None)
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """The eager layers for a while (a slice of decoding between training prefills),
+        then the compiled ones again, whose graphs are kept."""
+        layers = decoder_layers(self.model)
+        compiled = [layer.__dict__.pop("forward", None) for layer in layers]
+        try:
+            yield
+        finally:
+            for layer, forward in zip(layers, compiled):
+                if forward is not None:
+                    layer.forward = forward
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, topk: int = 0) -> PrefillOutput:

@@ -18,6 +18,7 @@ tensors; NCCL (GPU) sends device tensors; dtypes that either lacks travel as
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass, fields
 
 import torch
@@ -76,10 +77,17 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _complete(works: list) -> None:
-    """Block the host until ``works`` are done. On NCCL ``wait()`` only orders the
-    current stream behind the transfer and returns at once, which would neither bound
-    the bundles in flight nor measure the time a target is blocked on its drafters."""
+def _complete(works: list, idle: Callable[[], bool] | None = None) -> None:
+    """Block the host until ``works`` are done, polling: on NCCL ``wait()`` only orders
+    the current stream behind the transfer and returns at once, which would neither
+    bound the bundles in flight nor measure the time a target is blocked on its
+    drafters. Before that, ``idle`` (NCCL only) may do slices of other work while the
+    transfer runs; it returns False when it has none. Gloo's point-to-point works
+    report completion only after ``wait()``, and a second ``wait()`` never returns,
+    so each work is waited on exactly once."""
+    while idle is not None and not all(w.is_completed() for w in works):
+        if not idle():
+            time.sleep(50e-6)
     for w in works:
         w.wait()
     while not all(w.is_completed() for w in works):
@@ -89,8 +97,10 @@ def _complete(works: list) -> None:
 class BundleSender:
     """Non-blocking sends from one target rank, at most ``max_in_flight`` bundles outstanding."""
 
-    def __init__(self, groups: dict[int, dist.ProcessGroup], device: torch.device, block_size: int, max_in_flight: int = 2):
+    def __init__(self, groups: dict[int, dist.ProcessGroup], device: torch.device, block_size: int, max_in_flight: int = 2,
+                 idle: Callable[[], bool] | None = None):
         self.groups, self.device, self.block_size, self.max_in_flight = groups, device, block_size, max_in_flight
+        self.idle = idle  # work for the time this rank waits on its drafters (dflash.live_eval)
         self.in_flight: list[tuple[list, list[torch.Tensor]]] = []
         self.wait_s = 0.0
         self.bytes_sent = 0
@@ -99,7 +109,7 @@ class BundleSender:
         while bounded and len(self.in_flight) >= self.max_in_flight:
             start = time.perf_counter()
             works, _ = self.in_flight.pop(0)
-            _complete(works)
+            _complete(works, self.idle)
             self.wait_s += time.perf_counter() - start
         ops = [dist.P2POp(dist.isend, t, peer, group=self.groups[peer], tag=tag) for tag, t in enumerate(tensors)]
         self.in_flight.append((dist.batch_isend_irecv(ops), tensors))

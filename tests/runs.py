@@ -27,8 +27,14 @@ TINY = [
 ]
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
+def read_records(output_dir: Path) -> list[dict]:
+    """Every record of ``metrics.jsonl``: steps, evaluations, the data summary."""
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    """The optimizer steps' records."""
+    return [r for r in read_records(output_dir) if "loss" in r]
 
 
 def run_colocated(output_dir: Path, overrides: list[str]) -> dict:

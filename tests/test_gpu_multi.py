@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from runs import TINY, free_port, read_metrics
+from runs import TINY, free_port, read_metrics, read_records
 
 from dflash.protocol import Protocol, Timeouts
 from dflash.topology import Topology
@@ -104,3 +104,17 @@ def test_split_trains_like_colocated(colocated, tmp_path, targets, drafters):
     assert all(r["steps"] == 6 for r in ranks)
     assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
     assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
+@gpus(2)
+def test_evaluation_while_training_on_target_rank_0(tmp_path):
+    """eval.every on NCCL: the weights go over their own link, target rank 0 decodes in its
+    waits on the eager layers, and no graph compiles after warmup on either side."""
+    train(2, tmp_path, ["topology.target_ranks=1", "eval.enabled=true", "eval.every=3", "eval.max_prompts=4",
+                        "eval.max_new_tokens=32", "eval.temperature=1.0"])
+    evals = [r for r in read_records(tmp_path) if "eval/tau" in r]
+    assert [r["step"] for r in evals] == [3]
+    assert evals[0]["eval/lossless"] is True and evals[0]["eval/tau"] >= 1.0 and "eval/tau@1" in evals[0]
+    assert evals[0]["eval/handoff_ms"] < 1000
+    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
+    assert "eval_s" in json.loads((tmp_path / "ranks.json").read_text())[0]

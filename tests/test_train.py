@@ -2,11 +2,12 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from runs import compose_cfg, read_metrics, run_colocated, run_disaggregated
+from runs import compose_cfg, read_metrics, read_records, run_colocated, run_disaggregated
 from safetensors.torch import load_file
 
 
@@ -45,6 +46,26 @@ def test_end_of_data_mid_epoch_with_uneven_shards(tmp_path):
         tmp_path, 3, 2, ["train.max_steps=null", "train.epochs=1", "data.max_samples=22", "train.batch_size=3"]
     )
     assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 8))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_skipped_input_is_counted_in_the_metrics(tmp_path, world):
+    """Bad lines are skipped, and metrics.jsonl says how many, why and where, also when
+    the metrics rank (a drafter) never read the data."""
+    good = (Path(__file__).parents[1] / "dflash/assets/demo_data/train.jsonl").read_text().splitlines()[:40]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(good[:10] + ["{broken", json.dumps({"conversations": [{"role": "user", "content": "hi"}]})]
+                              + good[10:]) + "\n")
+    overrides = ["data=jsonl", f"data.path={data}", "data.eval_path=null", "data.min_loss_tokens=1", "train.max_steps=2",
+                 f"data.cache_dir={tmp_path / 'cache'}"]
+    if world == 1:
+        run_colocated(tmp_path / "run", overrides)
+    else:
+        run_disaggregated(tmp_path / "run", world, 1, overrides)
+    summary = next(r for r in read_records(tmp_path / "run") if "data/samples" in r)
+    assert summary["data/samples"] > 0 and sum(summary["data/skipped"].values()) == 2
+    assert any(p.startswith(f"{data}:11:") for p in summary["data/problems"]), summary["data/problems"]
+    assert any(p.startswith(f"{data}:12:") for p in summary["data/problems"]), summary["data/problems"]
 
 
 def test_unknown_keys_are_errors():

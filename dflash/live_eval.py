@@ -1,0 +1,269 @@
+"""Real acceptance while training: speculative decoding with the drafter's current weights.
+
+Every ``eval.every`` optimizer steps the drafter's weights are copied, cast to the
+target's dtype (what the export would hold), and run through :mod:`dflash.eval`'s
+decoding loop on the held-out prompts: greedy (``tau``, ``lossless``, the
+acceptance histogram) and, with ``eval.temperature``, sampled. The record goes to
+``metrics.jsonl`` and W&B beside that step's ``tau_sim``, so a drafter that looks
+good in training but accepts little at serving time shows at once.
+
+Where it runs:
+
+* colocated, in process, between two steps;
+* disaggregated, on target rank 0. The first drafter rank sends the weights over a
+  dedicated link (its own communicator, so the transfer can never queue behind a
+  bundle) and goes on training. Target rank 0 receives them before its next
+  micro-batch and decodes in slices of one drafting cycle, only while it waits for
+  its drafters to take a bundle, so the drafters lose no more than the copy of the
+  weights. The record comes back through the control store. On the CPU, where a
+  gloo send cannot be polled, target rank 0 decodes at once when the weights
+  arrive and the drafters wait for it.
+
+A target rank that never waits (the target side is the bottleneck) gets through
+its evaluation after its data ends; until then later evaluations are skipped and
+counted, never queued.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from dflash.eval import evaluate_steps, load_prompts
+from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
+from dflash.protocol import Protocol
+from dflash.target import Target
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LiveEvalSettings:
+    every: int
+    prompts_path: str
+    max_prompts: int
+    max_new_tokens: int
+    temperatures: tuple[float, ...]
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """After this step? The last step is left to the evaluation of the export."""
+        return step % self.every == 0 and step < total_steps
+
+
+def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
+    """``None`` unless ``eval.every > 0`` and there are held-out prompts."""
+    every = int(cfg.eval.get("every") or 0)
+    if every <= 0 or not cfg.eval.enabled:
+        return None
+    if not cfg.data.eval_path:
+        raise ValueError(f"eval.every={every} needs held-out prompts: set data.eval_path")
+    temperature = cfg.eval.get("temperature")
+    temperatures = (0.0,) if temperature is None else (0.0, float(temperature))
+    return LiveEvalSettings(every, str(cfg.data.eval_path), int(cfg.eval.max_prompts), int(cfg.eval.max_new_tokens),
+                            temperatures)
+
+
+def flat_weights(drafter: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """Every parameter, cast to ``dtype`` and concatenated, in ``parameters()`` order."""
+    with torch.no_grad():
+        return torch.cat([p.detach().reshape(-1).to(dtype) for p in drafter.parameters()])
+
+
+def flat_size(config: DrafterConfig) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in DFlashDrafter(config).parameters())
+
+
+class Evaluator:
+    """Holds a decoding copy of the drafter next to the target and evaluates it in
+    slices: :meth:`advance` does one drafting cycle or one baseline token."""
+
+    def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, head: TargetHead, config: DrafterConfig,
+                 settings: LiveEvalSettings):
+        self.target, self.tokenizer, self.head, self.settings = target, tokenizer, head, settings
+        self.prompts = load_prompts(settings.prompts_path, settings.max_prompts)
+        weight = head.embed_weight
+        self.drafter = DFlashDrafter(config).to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        self.job: Generator[None, None, dict] | None = None
+        self.step = 0
+        self.began = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.job is not None
+
+    def buffer(self) -> torch.Tensor:
+        """Where the weights land."""
+        weight = self.head.embed_weight
+        return torch.empty(flat_size(self.drafter.config), dtype=weight.dtype, device=weight.device)
+
+    def start(self, step: int, flat: torch.Tensor) -> None:
+        torch.nn.utils.vector_to_parameters(flat, self.drafter.parameters())
+        self.step, self.began, self.job = step, time.perf_counter(), self._run()
+
+    def _run(self) -> Generator[None, None, dict]:
+        s = self.settings
+        results = []
+        for t in s.temperatures:
+            results.append((yield from evaluate_steps(
+                self.target.model, self.tokenizer, self.drafter, self.head, self.prompts, s.max_new_tokens, t
+            )))
+        return eval_record(self.step, results, time.perf_counter() - self.began)
+
+    def advance(self) -> dict | None:
+        """One slice of the running evaluation, on the eager target (decoding shapes change
+        every call; the compiled prefill layers are kept for training). Returns the
+        record when the evaluation ends."""
+        with self.target.eager():
+            try:
+                next(self.job)
+            except StopIteration as done:
+                self.job = None
+                return done.value
+        return None
+
+    def run(self, step: int, flat: torch.Tensor) -> dict:
+        """A whole evaluation at once (colocated)."""
+        self.start(step, flat)
+        while (record := self.advance()) is None:
+            pass
+        return record
+
+
+def eval_record(step: int, results: list[dict], seconds: float) -> dict:
+    """The metrics of one evaluation: greedy first, then each sampled temperature."""
+    greedy = results[0]
+    record = {
+        "step": step,
+        "eval/tau": greedy["tau"],
+        "eval/lossless": greedy["lossless"],
+        "eval/new_tokens": greedy["new_tokens"],
+        "eval/cycles": greedy["cycles"],
+        "eval/s": round(seconds, 2),
+        **{f"eval/hist_{k}": n for k, n in greedy["histogram"].items()},
+    }
+    for r in results[1:]:
+        record[f"eval/tau@{r['temperature']:g}"] = r["tau"]
+    return record
+
+
+class LocalEval:
+    """Colocated: evaluate in process after every ``every``-th step."""
+
+    def __init__(self, evaluator: Evaluator, total_steps: int):
+        self.evaluator, self.total_steps = evaluator, total_steps
+
+    def after_step(self, step: int, drafter: nn.Module) -> list[dict]:
+        if not self.evaluator.settings.due(step, self.total_steps):
+            return []
+        flat = flat_weights(drafter, self.evaluator.head.embed_weight.dtype)
+        record = self.evaluator.run(step, flat)
+        log.info("step %d: speculative decoding tau %s, lossless %s (%.1f s)", step, record["eval/tau"],
+                 record["eval/lossless"], record["eval/s"])
+        return [record]
+
+
+
+class RemoteEval:
+    """The first drafter rank's side: hand the weights to target rank 0 and collect
+    the records it posts back."""
+
+    def __init__(self, proto: Protocol, settings: LiveEvalSettings, dtype: torch.dtype, total_steps: int):
+        self.proto, self.settings, self.dtype, self.total_steps = proto, settings, dtype, total_steps
+        self.pending: int | None = None
+        self.sending: tuple[dist.Work, torch.Tensor] | None = None
+        self.skipped = 0
+        self.handoff_ms: list[float] = []
+
+    def after_step(self, step: int, drafter: nn.Module) -> list[dict]:
+        records = self._collect()
+        if self.settings.due(step, self.total_steps):
+            if self.pending is not None:
+                self.skipped += 1
+                log.warning("step %d: the evaluation of step %d is still running on target rank 0; skipped (%d so far)",
+                            step, self.pending, self.skipped)
+            else:
+                self._hand_off(step, drafter)
+        return records
+
+    def _hand_off(self, step: int, drafter: nn.Module) -> None:
+        began = time.perf_counter()
+        flat = flat_weights(drafter, self.dtype)
+        work = dist.isend(flat, dst=0, group=self.proto.eval_link)
+        self.proto.request_eval(step)
+        self.sending, self.pending = (work, flat), step
+        self.handoff_ms.append(1e3 * (time.perf_counter() - began))
+
+    def _collect(self) -> list[dict]:
+        if self.pending is None:
+            return []
+        record = self.proto.eval_result(self.pending)
+        if record is None:
+            return []
+        self.sending[0].wait()  # long done: target rank 0 decoded with these weights
+        record["eval/handoff_ms"] = round(self.handoff_ms[-1], 2)
+        self.sending = self.pending = None
+        return [record]
+
+    def finish(self) -> list[dict]:
+        """After the last step: wait for the evaluation still running, if any."""
+        if self.pending is None:
+            return []
+        with self.proto.phase(f"waiting for the evaluation of step {self.pending} on target rank 0",
+                              self.proto.timeouts.warmup_s, [0]):
+            while (records := self._collect()) == []:
+                time.sleep(0.05)
+        return records
+
+
+class EvalServer:
+    """Target rank 0's side: receive weights as soon as they are offered; decode only
+    when there is nothing else to do (``sliced``), or at once."""
+
+    def __init__(self, proto: Protocol, evaluator: Evaluator, sliced: bool):
+        self.proto, self.evaluator, self.sliced = proto, evaluator, sliced
+        self.handled = 0
+        self.eval_s = 0.0
+
+    def receive(self) -> None:
+        """Before each micro-batch: take offered weights (a few ms), start decoding."""
+        step = self.proto.eval_requested()
+        if step is None or step == self.handled or self.evaluator.busy:
+            return
+        flat = self.evaluator.buffer()
+        dist.recv(flat, src=self.proto.topo.metrics_rank, group=self.proto.eval_link)
+        self.handled = step
+        self.evaluator.start(step, flat)
+        while not self.sliced and self.idle():
+            pass
+
+    def idle(self) -> bool:
+        """One slice while the target would wait; False when there is nothing to do."""
+        if not self.evaluator.busy:
+            return False
+        began = time.perf_counter()
+        record = self.evaluator.advance()
+        self.eval_s += time.perf_counter() - began
+        if record is not None:
+            self.proto.post_eval_result(record)
+        return True
+
+    def until_stopped(self) -> None:
+        """After the data ends: serve evaluations until the drafters stop, then finish
+        the one running, so the drafters can collect it."""
+        while not self.proto.stopped():
+            self.receive()
+            if not self.idle():
+                time.sleep(0.01)
+        self.receive()
+        while self.idle():
+            pass
+

@@ -1,0 +1,69 @@
+"""Speculative decoding while training (eval.every) gives what dflash.eval gives on the
+checkpoint of the same step, colocated and disaggregated."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import tiny_drafter
+from runs import read_records, run_colocated, run_disaggregated
+
+from dflash.eval import main as eval_main
+from dflash.export import load_export, save_export
+from dflash.live_eval import flat_size, flat_weights
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# long enough that the drafter accepts something at step 30 (an untrained one gives tau 1,
+# which any weights would reproduce)
+LIVE = ["eval.enabled=true", "eval.every=30", "eval.temperature=0.7", "eval.max_prompts=3", "eval.max_new_tokens=24",
+        "checkpoint.every=30", "checkpoint.keep=3", "train.lr=1e-3", "train.max_steps=60", "data.max_samples=256",
+        "train.num_anchors=32"]
+EVAL_STEP = 30
+
+
+def eval_of_checkpoint(run: Path, step: int, tmp: Path) -> dict:
+    """``dflash.eval`` on the drafter weights of checkpoint ``step``, exported."""
+    drafter = load_export(run / "export")
+    state = {"model": drafter.state_dict()}
+    dcp.load(state, checkpoint_id=str(run / "checkpoints" / f"step_{step:08d}"))
+    drafter.load_state_dict(state["model"])
+    export = save_export(drafter, tmp / "export", dtype="float32")
+    return eval_main(["--target", "demo", "--drafter", str(export), "--data", "heldout=demo_heldout",
+                      "--max-prompts", "3", "--max-new-tokens", "24", "--temperature", "0", "0.7", "--device", "cpu",
+                      "--out", str(tmp / "eval.json")])
+
+
+def check_against_checkpoint(run: Path, tmp: Path) -> None:
+    evals = [r for r in read_records(run) if "eval/tau" in r]
+    assert [r["step"] for r in evals] == [EVAL_STEP], "one evaluation (the last step is the export's)"
+    live = evals[0]
+    assert live["eval/tau"] > 1.0, "the drafter accepts nothing yet: the comparison would prove nothing"
+    want = eval_of_checkpoint(run, EVAL_STEP, tmp)
+    greedy, sampled = want["results"]["heldout@0"], want["results"]["heldout@0.7"]
+    assert live["eval/tau"] == greedy["tau"] and live["eval/lossless"] is True
+    assert {k: live[f"eval/hist_{k}"] for k in greedy["histogram"]} == greedy["histogram"]
+    assert live["eval/tau@0.7"] == sampled["tau"]
+    assert live["eval/tau_sim"] is not None
+
+
+def test_colocated_eval_equals_dflash_eval_of_the_checkpoint(tmp_path):
+    run_colocated(tmp_path / "run", LIVE)
+    check_against_checkpoint(tmp_path / "run", tmp_path)
+
+
+def test_disaggregated_eval_equals_dflash_eval_of_the_checkpoint(tmp_path):
+    run_disaggregated(tmp_path / "run", 2, 1, LIVE)
+    check_against_checkpoint(tmp_path / "run", tmp_path)
+    ranks = (tmp_path / "run" / "ranks.json").read_text()
+    assert '"eval_s"' in ranks
+
+
+def test_weights_round_trip_through_the_flat_buffer():
+    src, dst = tiny_drafter(vocab=64, block_size=4), tiny_drafter(vocab=64, block_size=4)
+    flat = flat_weights(src, torch.float32)
+    assert flat.numel() == flat_size(src.config)
+    torch.nn.utils.vector_to_parameters(flat, dst.parameters())
+    for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        assert torch.equal(a, b), name
