@@ -626,9 +626,9 @@ def regenerate(args: argparse.Namespace, cfg: DictConfig) -> dict | None:
     out = Path(args.out)
     directory = parts_dir(out)
     sampling = sampling_of(args, cfg)
-    check_settings(directory, settings_of(args, cfg, sampling))
     done = finished_keys(directory)
     work = find_work(cfg.data.path, cfg.data.max_samples, args.batch_size * args.window, rank, world, done)
+    check_settings(directory, settings_of(args, cfg, sampling))  # after the input proved readable
     log.info("rank %d of %d: %d records, %d done before, %d to regenerate here, %d unreadable", rank, world,
              len(work.keys), len(done & set(work.keys)), work.pending, len(work.skipped))
     writer = ShardWriter(directory / f"rank{rank}-of-{world}.jsonl")
