@@ -170,14 +170,16 @@ def _param_name(model: nn.Module, param: torch.Tensor) -> str:
     return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)
 
 
-def random_head_weights(config: PretrainedConfig, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The embedding and LM head of a random target, drawn on the CPU from ``seed`` so
-    that target ranks and drafter ranks hold the very same matrices."""
+def random_head_weights(config: PretrainedConfig, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding and LM head of a random target, drawn on ``device`` from ``seed`` so
+    that target ranks and drafter ranks (all of one device type) hold the very same
+    matrices. On the device: on the host, two 152k x 4096 draws took 21 s on 2 cores."""
     text = config.get_text_config()
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     std = getattr(text, "initializer_range", 0.02)
-    embed = torch.randn(text.vocab_size, text.hidden_size, generator=g) * std
-    head = embed if text.tie_word_embeddings else torch.randn(text.vocab_size, text.hidden_size, generator=g) * std
+    shape = (text.vocab_size, text.hidden_size)
+    embed = torch.randn(shape, generator=g, device=device) * std
+    head = embed if text.tie_word_embeddings else torch.randn(shape, generator=g, device=device) * std
     return embed, head
 
 
@@ -188,7 +190,7 @@ def random_target(config: PretrainedConfig, device: torch.device, dtype: torch.d
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    embed, head = random_head_weights(config, seed)
+    embed, head = random_head_weights(config, seed, device)
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(embed)
         model.get_output_embeddings().weight.copy_(head)
@@ -251,7 +253,7 @@ class TargetSource:
         LM layout works, tied embeddings included.
         """
         if self.is_random:
-            embed, head = random_head_weights(self.config(), self.seed)
+            embed, head = random_head_weights(self.config(), self.seed, device)
             on_device = embed.to(device=device, dtype=dtype)
             return TargetHead(on_device, on_device if head is embed else head.to(device=device, dtype=dtype))
         local, config = resolve_path(self.path), self.config()
