@@ -44,7 +44,7 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Collection, Generator, Sequence
+from collections.abc import Collection, Generator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from dflash.data import conversation_turns, parse_turn
+from dflash.data import BadRecord, conversation_turns, iter_records, parse_turn
 from dflash.export import load_export
 from dflash.files import local_path
 from dflash.model import DFlashDrafter, TargetHead
@@ -229,44 +229,56 @@ def greedy_generate(*args, **kwargs) -> list[int]:
 
 
 def resolve_prompts_path(path: str) -> Path:
-    """A JSONL file; the shipped held-out demo prompts are addressed as ``demo_heldout``."""
+    """Any file or directory ``data.path`` reads; the shipped held-out demo prompts are
+    addressed as ``demo_heldout``."""
     return local_path("prompts", path)
 
 
-def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
-    """The turns before the first assistant turn of each conversation.
+def prompt_of(record: object) -> list[dict[str, str]]:
+    """The turns before the first assistant turn (a record without one is a prompt
+    too, so benchmark prompt sets need no placeholder replies)."""
+    messages = []
+    for turn in conversation_turns(record):
+        message = parse_turn(turn)
+        if message["role"] == "assistant":
+            break
+        messages.append(message)
+    return messages
 
-    Lines without any assistant turn are prompts too, so benchmark prompt sets
-    need no placeholder replies.
-    """
-    prompts = []
-    with open(resolve_prompts_path(path), encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            messages = []
-            for turn in conversation_turns(record):
-                message = parse_turn(turn)
-                if message["role"] == "assistant":
-                    break
-                messages.append(message)
-            if messages:
-                prompts.append(messages)
-            if len(prompts) >= max_prompts:
-                break
+
+def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
+    """The first ``max_prompts`` prompts of a prompt set in any format training reads
+    (:func:`dflash.data.iter_records`); unreadable records are skipped and counted."""
+    prompts, bad = [], []
+    for where, record in iter_records(str(resolve_prompts_path(path))):
+        try:
+            messages = prompt_of(record)
+        except BadRecord as e:
+            bad.append(f"{where}: {e}")
+            continue
+        if messages:
+            prompts.append(messages)
+        if len(prompts) >= max_prompts:
+            break
+    if bad:
+        log.warning("skipped %d unreadable prompts, e.g. %s", len(bad), bad[0])
     if not prompts:
         raise ValueError(f"no prompts in {path}")
     return prompts
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Chat-templated prompt ids ``[1, S]``, ending in the assistant header.
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], template_kwargs: Mapping | None = None
+) -> torch.Tensor:
+    """Chat-templated prompt ids ``[1, S]``, ending in the assistant header, rendered with
+    the template arguments training used (``data.chat_template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``), so the drafter is measured in the context it learned.
 
     Rendered to text first: transformers 5 returns a dict from a tokenizing
     ``apply_chat_template``, and the template already holds any BOS.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **dict(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
 
 
@@ -311,6 +323,7 @@ def evaluate_steps(
     temperature: float = 0.0,
     seed: int = 0,
     block_size: int | None = None,
+    template_kwargs: Mapping | None = None,
 ) -> Generator[None, None, dict]:
     """Speculative decoding over ``prompts``; at temperature 0 also the lossless check.
     Pauses after every drafting cycle and every baseline token (``wall_s`` then
@@ -323,7 +336,7 @@ def evaluate_steps(
     block_size = block_size or drafter.config.block_size
     device = head.embed_weight.device
     eos_ids = stop_ids(tokenizer, target_model)
-    encoded = [encode_prompt(tokenizer, m).to(device) for m in prompts]
+    encoded = [encode_prompt(tokenizer, m, template_kwargs).to(device) for m in prompts]
 
     started = time.perf_counter()
     outputs, acceptance = [], []
@@ -377,6 +390,7 @@ def evaluate_datasets(
     seed: int = 0,
     block_size: int | None = None,
     target_name: str | None = None,
+    template_kwargs: Mapping | None = None,
 ) -> dict:
     """Evaluate the export on every dataset and temperature, write the report, return it.
 
@@ -390,7 +404,8 @@ def evaluate_datasets(
         prompts = load_prompts(path, max_prompts)
         for t in temperatures:
             key = name if len(temperatures) == 1 else f"{name}@{t:g}"
-            r = evaluate(target_model, tokenizer, drafter, head, prompts, max_new_tokens, t, seed, block_size)
+            r = evaluate(target_model, tokenizer, drafter, head, prompts, max_new_tokens, t, seed, block_size,
+                         template_kwargs)
             results[key] = {"dataset": name, **r}
             log.info("%s: tau %s, lossless %s, %d tokens in %.1f s", key, r["tau"], r["lossless"],
                      r["new_tokens"], r["wall_s"])
@@ -443,6 +458,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "which in bf16 can flip near-tied argmaxes and so 'lossless'; float32 keeps that far below logit gaps",
     )
     ap.add_argument("--trust-remote-code", action="store_true")
+    ap.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON",
+                    help='chat template arguments as in training\'s data.chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
     ap.add_argument("--out", default=None, help="report path; default <output_dir>/eval.json next to the export")
     return ap.parse_args(argv)
 
@@ -458,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = args.out or Path(args.drafter).resolve().parent / "eval.json"
     report = evaluate_datasets(
         target_model, tokenizer, args.drafter, head, datasets, args.max_prompts, args.max_new_tokens, out,
-        args.temperature, args.seed, args.block_size, args.target,
+        args.temperature, args.seed, args.block_size, args.target, args.chat_template_kwargs,
     )
     print(format_table(report))
     print(f"lossless: {report['lossless']}  report: {out}")

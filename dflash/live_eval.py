@@ -52,6 +52,7 @@ class LiveEvalSettings:
     max_prompts: int
     max_new_tokens: int
     temperatures: tuple[float, ...]
+    template_kwargs: dict
 
     def due(self, step: int, total_steps: int) -> bool:
         """After this step? The last step is left to the evaluation of the export."""
@@ -68,7 +69,12 @@ def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
     temperature = cfg.eval.get("temperature")
     temperatures = (0.0,) if temperature is None else (0.0, float(temperature))
     return LiveEvalSettings(every, str(cfg.data.eval_path), int(cfg.eval.max_prompts), int(cfg.eval.max_new_tokens),
-                            temperatures)
+                            temperatures, template_kwargs(cfg))
+
+
+def template_kwargs(cfg: DictConfig) -> dict:
+    """The chat template arguments training renders prompts with (absent for synthetic data)."""
+    return dict(cfg.data.get("chat_template_kwargs") or {})
 
 
 def flat_weights(drafter: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -114,7 +120,8 @@ class Evaluator:
         results = []
         for t in s.temperatures:
             results.append((yield from evaluate_steps(
-                self.target.model, self.tokenizer, self.drafter, self.head, self.prompts, s.max_new_tokens, t
+                self.target.model, self.tokenizer, self.drafter, self.head, self.prompts, s.max_new_tokens, t,
+                template_kwargs=s.template_kwargs,
             )))
         return eval_record(self.step, results, time.perf_counter() - self.began)
 

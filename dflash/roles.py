@@ -26,7 +26,7 @@ from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.checkpoint import load_checkpoint, resume_candidates, save_checkpoint
 from dflash.compile import CompileGuard, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.export import save_export
-from dflash.live_eval import EvalServer, Evaluator, LocalEval, RemoteEval, live_eval_settings
+from dflash.live_eval import EvalServer, Evaluator, LocalEval, RemoteEval, live_eval_settings, template_kwargs
 from dflash.metrics import MetricsLogger
 from dflash.protocol import Protocol
 from dflash.step import DrafterTrainer
@@ -171,6 +171,7 @@ def evaluate_export(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict
     report = evaluate_datasets(
         side.target.model, side.tokenizer, export_dir, side.target.head(), {"heldout": cfg.data.eval_path},
         cfg.eval.max_prompts, cfg.eval.max_new_tokens, Path(cfg.output_dir) / "eval.json", target_name=cfg.target.path,
+        template_kwargs=template_kwargs(cfg),
     )
     log.info("speculative decoding with the export (%s):\n%s", Path(cfg.output_dir) / "eval.json", format_table(report))
     return report

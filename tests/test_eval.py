@@ -10,7 +10,7 @@ from conftest import tiny_drafter, tiny_target, word_tokenizer
 from torch import nn
 from torch.nn import functional as F
 
-from dflash.eval import accept, greedy_generate, main, speculative_generate, tau
+from dflash.eval import accept, encode_prompt, greedy_generate, load_prompts, main, speculative_generate, tau
 from dflash.export import save_export
 from dflash.model import TargetHead
 
@@ -191,3 +191,31 @@ def test_cli_writes_the_report(target, tmp_path):
     assert set(greedy["histogram"]) == {"1", "2", "3", "4"}
     assert sum(greedy["histogram"].values()) == greedy["cycles"]
     assert report["tau"] == greedy["tau"]
+
+
+def test_prompts_in_any_training_format(tmp_path):
+    """Held-out prompts read like training data: a JSON list of prompt/response pairs and
+    a JSONL with a broken line (skipped) both give the turns before the reply."""
+    (tmp_path / "a.json").write_text(json.dumps([{"prompt": "w1 w2", "response": "w3"}, {"prompt": "w4"}]))
+    (tmp_path / "b.jsonl").write_text("{broken\n" + json.dumps({"messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]}) + "\n")
+    assert load_prompts(str(tmp_path / "a.json"), 8) == [[{"role": "user", "content": "w1 w2"}],
+                                                         [{"role": "user", "content": "w4"}]]
+    assert load_prompts(str(tmp_path / "b.jsonl"), 8) == [[{"role": "system", "content": "s"},
+                                                          {"role": "user", "content": "w5"}]]
+
+
+def test_prompts_are_rendered_with_the_training_template_arguments():
+    from dflash.target import TargetSource
+
+    tokenizer = TargetSource("demo").tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "count from 1 to 3"}]
+    plain = encode_prompt(tokenizer, messages)
+    no_thinking = encode_prompt(tokenizer, messages, {"enable_thinking": False})
+    assert no_thinking.shape[1] > plain.shape[1]
+    assert torch.equal(no_thinking[:, : plain.shape[1]], plain)
