@@ -55,3 +55,10 @@ def test_bundle_bytes_are_those_of_a_real_bundle():
     real = sum(t.numel() * t.element_size() for t in flatten(batch, prefill))
     assert estimate(job, 1, 0).bundle_bytes == real
     assert math.isnan(estimate(job, 1, 0).target_rate), "no rate guess for a CPU run"
+
+
+def test_evaluation_while_training_is_planned_on_target_rank_0(tmp_path):
+    proc = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=30", "eval.every=500"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2.0 evaluation drafter" in proc.stdout  # 1.049B parameters in bf16
+    assert "every 500 steps on target rank 0" in proc.stdout
