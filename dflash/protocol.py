@@ -156,12 +156,17 @@ class Protocol:
                 if int(buf.item()) != t:
                     raise ProtocolError(f"rank {self.rank}: first contact from target {t} carried {int(buf.item())}")
         if self.rank in (0, topo.metrics_rank):
+            # the same operation, direction and group as the weights later take, so whatever
+            # communicator they use exists before training (its creation would block the drafter)
             peer = topo.metrics_rank if self.rank == 0 else 0
             with self._failing("first contact on the link for evaluation weights", init, [peer]):
-                buf = torch.ones(1, device=self.device)
-                dist.all_reduce(buf, group=self.eval_link)
-                if int(buf.item()) != 2:
-                    raise ProtocolError(f"rank {self.rank}: the evaluation link counted {int(buf.item())} ranks")
+                buf = torch.tensor([topo.metrics_rank if self.rank != 0 else -1], device=self.device)
+                if self.rank == 0:
+                    dist.recv(buf, src=peer, group=self.eval_link)
+                else:
+                    dist.isend(buf, dst=peer, group=self.eval_link).wait()
+                if int(buf.item()) != topo.metrics_rank:
+                    raise ProtocolError(f"rank {self.rank}: first contact on the evaluation link carried {int(buf.item())}")
         if not topo.is_target:
             with self._failing("first all-reduce of the drafter group", init, self.other_drafters()):
                 one = torch.ones(1, device=self.device)
