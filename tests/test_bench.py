@@ -31,11 +31,13 @@ def test_bench_reports_every_role(tmp_path):
                        checkpoint_dir=str(tmp_path))
     rows = {(r["role"], r["mode"]): r for r in report["rows"]}
     assert set(rows) == {("target", "eager"), ("target", "compile"), ("drafter", "eager"), ("drafter", "compile"),
-                         ("colocated", "compiled"), ("checkpoint", "dcp")}
+                         ("colocated", "compiled"), ("checkpoint", "dcp"), ("drafter", "compile, warm start")}
     assert rows[("drafter", "compile")]["compile_s"] and not rows[("drafter", "eager")]["compile_s"]
+    assert rows[("drafter", "compile, warm start")]["warmup_s"] > 0
     assert rows[("checkpoint", "dcp")]["load_s"] >= 0 and (tmp_path / "step_00000001").is_dir()
     assert rows[("drafter", "compile")]["graphs"] == 1 and rows[("drafter", "eager")]["graphs"] == 0
-    assert all(r["step_ms"] > 0 for r in report["rows"] if r["role"] != "checkpoint")
+    assert all(r["step_ms"] > 0 for r in report["rows"] if "step_ms" in r)
+    assert sum("step_ms" in r for r in report["rows"]) == 5
     json.dumps(report)
     assert "mfu_pct" in format_report(report)
 
