@@ -237,7 +237,7 @@ def format_estimate(job: Job, e: Estimate) -> str:
     )
     every = live_eval_every(job)
     if every:
-        where = "in process" if e.world_size == 1 else "on target rank 0, in its waits"
+        where = "in process" if e.world_size == 1 else "on target rank 0"
         lines.append(f"  eval: speculative decoding every {every} steps {where}, with a decoding copy of the "
                      f"drafter ({e.target_gib['evaluation drafter']:.1f} GiB, counted in the target's memory)")
     if e.rates_from:
