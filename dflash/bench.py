@@ -44,6 +44,7 @@ from dflash.estimate import drafter_flops, prefill_flops
 from dflash.model import TargetHead
 from dflash.protocol import free_port, set_rank_env
 from dflash.roles import peak_memory_gib
+from dflash.step import DrafterTrainer
 from dflash.target import RANDOM, Target, random_target
 from dflash.transport import BundleReceiver, BundleSender
 
@@ -96,7 +97,13 @@ def compile_breakdown(top: int = 10) -> dict[str, float]:
     return {k: round(v, 2) for k, v in totals[:top] if v >= 0.01}
 
 
-def time_checkpoint(trainer, root: Path) -> dict:
+def fx_cache(before: dict[str, int], after: dict[str, int]) -> str:
+    """FX graph cache hits and misses between two :func:`compile_counts`."""
+    return (f"{after['fx_cache_hits'] - before['fx_cache_hits']} hits / "
+            f"{after['fx_cache_misses'] - before['fx_cache_misses']} misses")
+
+
+def time_checkpoint(trainer: DrafterTrainer, root: Path) -> dict:
     """Save and load the drafter with its optimizer state through :mod:`dflash.checkpoint`."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
@@ -143,20 +150,26 @@ class Bench:
     def mfu(self, flops: float, seconds: float) -> float:
         return round(100 * flops / seconds / self.peak, 1)
 
-    def drafter(self, name: str, mode: str | None) -> dict:
-        """One drafter step per call: ``accumulation`` micro-batch forward/backwards and the
-        optimizer. Per-sample figures divide by the micro-batches of the call."""
+    def warmed_trainer(self, mode: str | None) -> tuple[DrafterTrainer, dict, dict]:
+        """A fresh trainer in ``mode``, once Dynamo has forgotten every graph, warmed up;
+        with the warmup's report and the compile counters from just before it."""
         torch._dynamo.reset()
         reset_memory(self.device)
         trainer = build_trainer(with_mode(self.job, mode), self.head, 0, 10**6)
+        before = compile_counts()
+        compile_breakdown()
+        warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype), 0, 1)
+        return trainer, warm, before
+
+    def drafter(self, name: str, mode: str | None) -> dict:
+        """One drafter step per call: ``accumulation`` micro-batch forward/backwards and the
+        optimizer. Per-sample figures divide by the micro-batches of the call."""
+        trainer, warm, before = self.warmed_trainer(mode)
         feature_dim = trainer.drafter.fc.in_features
         prefills = [
             random_prefill(self.micro, self.seq_len, feature_dim, self.dtype, self.topk, self.head.vocab_size, self.device)
             for _ in self.batches
         ]
-        before = compile_counts()
-        compile_breakdown()
-        warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype), 0, 1)
         calls = iter(range(10**9))
 
         def step() -> None:
@@ -182,8 +195,7 @@ class Bench:
             "warmup_s": warm["wall_s"],
             "graphs": after["graphs"] - before["graphs"],
             "cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
-            "fx_cache": f"{after['fx_cache_hits'] - before['fx_cache_hits']} hits / "
-            f"{after['fx_cache_misses'] - before['fx_cache_misses']} misses",
+            "fx_cache": fx_cache(before, after),
             "compile_s": compile_breakdown() if mode else {},
         }
         self.trainer = trainer
@@ -219,20 +231,12 @@ class Bench:
         what a second launch pays with the compile cache on disk. Last, since it
         replaces the trainer the other rows used."""
         del self.trainer
-        torch._dynamo.reset()
-        reset_memory(self.device)
-        trainer = build_trainer(with_mode(self.job, mode), self.head, 0, 10**6)
-        before = compile_counts()
-        compile_breakdown()
-        warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype), 0, 1)
-        after = compile_counts()
-        self.trainer = trainer
+        self.trainer, warm, before = self.warmed_trainer(mode)
         return {
             "role": "drafter",
             "mode": f"{name}, warm start",
             "warmup_s": warm["wall_s"],
-            "fx_cache": f"{after['fx_cache_hits'] - before['fx_cache_hits']} hits / "
-            f"{after['fx_cache_misses'] - before['fx_cache_misses']} misses",
+            "fx_cache": fx_cache(before, compile_counts()),
             "compile_s": compile_breakdown(),
         }
 

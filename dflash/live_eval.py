@@ -83,11 +83,6 @@ def flat_weights(drafter: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).to(dtype) for p in drafter.parameters()])
 
 
-def flat_size(config: DrafterConfig) -> int:
-    with torch.device("meta"):
-        return sum(p.numel() for p in DFlashDrafter(config).parameters())
-
-
 class Evaluator:
     """Holds a decoding copy of the drafter next to the target and evaluates it in
     slices: :meth:`advance` does one drafting cycle or one baseline token."""
@@ -97,7 +92,9 @@ class Evaluator:
         self.target, self.tokenizer, self.head, self.settings = target, tokenizer, head, settings
         self.prompts = load_prompts(settings.prompts_path, settings.max_prompts)
         weight = head.embed_weight
-        self.drafter = DFlashDrafter(config).to(device=weight.device, dtype=weight.dtype).eval().requires_grad_(False)
+        with torch.device(weight.device):  # its weights arrive with each evaluation: no host init of 1B parameters
+            drafter = DFlashDrafter(config)
+        self.drafter = drafter.to(weight.dtype).eval().requires_grad_(False)
         self.job: Generator[None, None, dict] | None = None
         self.step = 0
         self.began = 0.0
@@ -107,9 +104,10 @@ class Evaluator:
         return self.job is not None
 
     def buffer(self) -> torch.Tensor:
-        """Where the weights land."""
+        """Where the weights land: one element per parameter of the decoding copy."""
         weight = self.head.embed_weight
-        return torch.empty(flat_size(self.drafter.config), dtype=weight.dtype, device=weight.device)
+        size = sum(p.numel() for p in self.drafter.parameters())
+        return torch.empty(size, dtype=weight.dtype, device=weight.device)
 
     def start(self, step: int, flat: torch.Tensor) -> None:
         torch.nn.utils.vector_to_parameters(flat, self.drafter.parameters())
@@ -178,7 +176,6 @@ class LocalEval:
         return [record]
 
 
-
 class RemoteEval:
     """The first drafter rank's side: hand the weights to target rank 0 and collect
     the records it posts back."""
@@ -188,7 +185,7 @@ class RemoteEval:
         self.pending: int | None = None
         self.sending: tuple[dist.Work, torch.Tensor] | None = None
         self.skipped = 0
-        self.handoff_ms: list[float] = []
+        self.handoff_ms = 0.0  # of the evaluation pending
 
     def after_step(self, step: int, drafter: nn.Module) -> list[dict]:
         records = self._collect()
@@ -207,7 +204,7 @@ class RemoteEval:
         work = dist.isend(flat, dst=0, group=self.proto.eval_link)
         self.proto.request_eval(step)
         self.sending, self.pending = (work, flat), step
-        self.handoff_ms.append(1e3 * (time.perf_counter() - began))
+        self.handoff_ms = 1e3 * (time.perf_counter() - began)
 
     def _collect(self) -> list[dict]:
         if self.pending is None:
@@ -216,7 +213,7 @@ class RemoteEval:
         if record is None:
             return []
         self.sending[0].wait()  # long done: target rank 0 decoded with these weights
-        record["eval/handoff_ms"] = round(self.handoff_ms[-1], 2)
+        record["eval/handoff_ms"] = round(self.handoff_ms, 2)
         self.sending = self.pending = None
         return [record]
 

@@ -251,14 +251,13 @@ class Protocol:
 
     def eval_requested(self) -> int | None:
         """Target rank 0, per micro-batch: the newest step offered, if any."""
-        return json.loads(self.store.get("eval/request")) if self.store.check(["eval/request"]) else None
+        return self._peek("eval/request")
 
     def post_eval_result(self, record: dict) -> None:
         self.store.set(f"eval/result/{record['step']}", json.dumps(record))
 
     def eval_result(self, step: int) -> dict | None:
-        key = f"eval/result/{step}"
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return self._peek(f"eval/result/{step}")
 
     # -- the end of training --------------------------------------------------------------
 
@@ -313,6 +312,10 @@ class Protocol:
             except dist.DistError as e:
                 missing = [r for r, k in zip(sources, keys) if not self._has(k)]
                 raise ProtocolError(describe(self.rank, what, timeout_s, missing)) from e
+
+    def _peek(self, key: str) -> Any:
+        """The value under ``key`` if it is there yet, without waiting; else None."""
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
 
     def _has(self, key: str) -> bool:
         try:
