@@ -56,7 +56,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from dflash.build import compose_config, pick_device
 from dflash.data import BadRecord, conversation_turns, iter_records, parse_turn
-from dflash.eval import stop_ids
+from dflash.eval import encode_prompt, stop_ids
 from dflash.roles import peak_memory_gib
 from dflash.target import RANDOM, TargetSource
 
@@ -422,11 +422,9 @@ class LocalTarget:
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
         """Prompt ids ending in the assistant header, rendered as a server renders them."""
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                      **self.kwargs)
+            return encode_prompt(self.tokenizer, messages, self.kwargs)[0].tolist()
         except TemplateError as e:
             raise BadRecord(f"template: the chat template refuses this conversation: {e}") from None
-        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> list[Reply]:
