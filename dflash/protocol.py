@@ -84,8 +84,9 @@ class Timeouts:
 class Protocol:
     """Owns the process groups and the control store of one rank."""
 
-    def __init__(self, topo: Topology, device: torch.device, timeouts: Timeouts):
+    def __init__(self, topo: Topology, device: torch.device, timeouts: Timeouts, eval_link: bool = False):
         self.topo, self.device, self.timeouts = topo, device, timeouts
+        self.wants_eval_link = eval_link  # only runs with eval.every create that group
         self.watchdog = Watchdog(topo.rank)
         self.store: dist.Store | None = None
         self.pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
@@ -134,7 +135,9 @@ class Protocol:
                 for d in topo.drafter_ranks:
                     self.pairs[(t, d)] = dist.new_group([t, d], timeout=backend_timeout, group_desc=f"bundles_t{t}_d{d}")
             self.drafters = dist.new_group(topo.drafter_ranks, timeout=backend_timeout, group_desc="drafters")
-            self.eval_link = dist.new_group([0, topo.metrics_rank], timeout=backend_timeout, group_desc="eval_weights")
+            if self.wants_eval_link:
+                self.eval_link = dist.new_group([0, topo.metrics_rank], timeout=backend_timeout,
+                                                group_desc="eval_weights")
         self._first_contact()
         self._gather("connecting every target to every drafter", None, range(topo.world_size), init)
 
@@ -155,7 +158,7 @@ class Protocol:
                     work.wait()
                 if int(buf.item()) != t:
                     raise ProtocolError(f"rank {self.rank}: first contact from target {t} carried {int(buf.item())}")
-        if self.rank in (0, topo.metrics_rank):
+        if self.eval_link is not None and self.rank in (0, topo.metrics_rank):
             # the same operation, direction and group as the weights later take, so whatever
             # communicator they use exists before training (its creation would block the drafter)
             peer = topo.metrics_rank if self.rank == 0 else 0

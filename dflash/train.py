@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.build import build_job, build_topology, timeouts
 from dflash.compile import assert_main_thread
 from dflash.estimate import PlanError, check_fits, estimate, format_estimate
+from dflash.live_eval import live_eval_settings
 from dflash.protocol import Protocol
 from dflash.roles import run_colocated, run_drafter_rank, run_target_rank
 from dflash.topology import Topology, TopologyError
@@ -79,7 +80,7 @@ def train(cfg: DictConfig) -> dict:
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if topo is None:
         return run_colocated(job)
-    proto = Protocol(topo, job.device, timeouts(cfg))
+    proto = Protocol(topo, job.device, timeouts(cfg), eval_link=live_eval_settings(cfg) is not None)
     proto.start()
     try:
         if topo.is_target:
