@@ -72,7 +72,7 @@ def target_source(cfg: DictConfig) -> TargetSource:
     if cfg.dry_run and absent and target.get("shape"):
         path = RANDOM
     return TargetSource(path if path is not None else target.path, target.trust_remote_code, target.get("shape"),
-                        cfg.train.seed)
+                        cfg.train.seed, target.get("tokenizer"))
 
 
 def build_job(cfg: DictConfig) -> Job:

@@ -200,12 +200,15 @@ def random_target(config: PretrainedConfig, device: torch.device, dtype: torch.d
 @dataclass(frozen=True)
 class TargetSource:
     """Where the target comes from (``target.*``): a local HF directory, ``demo`` (the
-    shipped one), or ``random`` weights drawn from ``seed`` at the preset's ``shape``."""
+    shipped one), or ``random`` weights drawn from ``seed`` at the preset's ``shape``.
+    ``tokenizer_path`` names a tokenizer kept apart from the weights; it is what gives a
+    random target real prompts (evaluation while training at real shapes)."""
 
     path: str
     trust_remote_code: bool = False
     shape: Mapping | None = None
     seed: int = 0
+    tokenizer_path: str | None = None
 
     @property
     def is_random(self) -> bool:
@@ -225,16 +228,27 @@ class TargetSource:
         return AutoConfig.for_model(shape.pop("model_type"), **shape)
 
     def tokenizer(self) -> PreTrainedTokenizerBase | None:
-        """The target's tokenizer; a random target has none."""
-        if self.is_random:
+        """The target's tokenizer: ``tokenizer_path``'s, else the weights' directory's; a
+        random target without ``tokenizer_path`` has none."""
+        if self.tokenizer_path:
+            local = local_path("target", self.tokenizer_path)
+            if not (local / "tokenizer_config.json").is_file():
+                raise FileNotFoundError(f"target.tokenizer={self.tokenizer_path!r} is not a local tokenizer directory "
+                                        "(no tokenizer_config.json)")
+        elif self.is_random:
             return None
-        return AutoTokenizer.from_pretrained(resolve_path(self.path), trust_remote_code=self.trust_remote_code,
-                                             local_files_only=True)
+        else:
+            local = resolve_path(self.path)
+        return AutoTokenizer.from_pretrained(local, trust_remote_code=self.trust_remote_code, local_files_only=True)
 
     def load(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
         """The frozen model and its tokenizer; nothing is downloaded."""
         if self.is_random:
-            return random_target(self.config(), device, dtype, self.seed), None
+            config, tokenizer = self.config(), self.tokenizer()
+            if tokenizer is not None and len(tokenizer) > config.vocab_size:
+                raise ValueError(f"target.tokenizer has {len(tokenizer)} tokens, more than the random target's "
+                                 f"vocab_size {config.vocab_size}")
+            return random_target(config, device, dtype, self.seed), tokenizer
         model = AutoModelForCausalLM.from_pretrained(
             resolve_path(self.path),
             config=self.config(),

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_target
 
 from dflash.model import default_target_layer_ids
-from dflash.target import Target, resolve_mask_token_id
+from dflash.target import Target, TargetSource, resolve_mask_token_id
 
 
 def test_default_layer_ids_match_z_lab():
@@ -119,3 +119,22 @@ def test_prefill_stops_after_the_last_captured_layer():
     ran.clear()
     target.prefill(ids, topk=3)  # the logits need every layer
     assert ran == list(range(6))
+
+
+SMALL_SHAPE = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+
+
+def test_random_target_takes_a_separate_tokenizer(tmp_path):
+    """target.tokenizer gives a random target real prompts; a tokenizer with more tokens
+    than the random embedding, or a directory without one, is refused up front."""
+    model, tokenizer = TargetSource("random", shape={**SMALL_SHAPE, "vocab_size": 512}, tokenizer_path="demo").load(
+        torch.device("cpu"), torch.float32)
+    assert tokenizer is not None and tokenizer.encode("hello") == TargetSource("demo").tokenizer().encode("hello")
+    assert TargetSource("random", shape={**SMALL_SHAPE, "vocab_size": 512}).load(torch.device("cpu"),
+                                                                                 torch.float32)[1] is None
+    with pytest.raises(ValueError, match="more than the random target's vocab_size 300"):
+        TargetSource("random", shape={**SMALL_SHAPE, "vocab_size": 300}, tokenizer_path="demo").load(
+            torch.device("cpu"), torch.float32)
+    with pytest.raises(FileNotFoundError, match="not a local tokenizer directory"):
+        TargetSource("random", shape={**SMALL_SHAPE, "vocab_size": 512}, tokenizer_path=str(tmp_path)).tokenizer()
