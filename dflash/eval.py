@@ -170,6 +170,7 @@ def speculative_steps(
     features = context_features(out.hidden_states, cfg.target_layer_ids)
     new = sample(out.logits[0, -1:], temperature, generator).tolist()
     tokens, lengths = list(new), []
+    yield  # the prompt's prefill is a slice of its own
     while len(tokens) < max_new_tokens and not any(t in eos_ids for t in new):
         p = features.shape[1]
         block = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=device)
@@ -209,6 +210,7 @@ def greedy_steps(
     cache = DynamicCache(config=target_model.config)
     logits = with_cache(target_model, cache, input_ids=prompt_ids, logits_to_keep=1).logits
     tokens: list[int] = []
+    yield
     while True:
         tokens.append(int(logits[0, -1].argmax()))
         if len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
@@ -336,11 +338,12 @@ def evaluate_steps(
     block_size = block_size or drafter.config.block_size
     device = head.embed_weight.device
     eos_ids = stop_ids(tokenizer, target_model)
-    encoded = [encode_prompt(tokenizer, m, template_kwargs).to(device) for m in prompts]
 
     started = time.perf_counter()
-    outputs, acceptance = [], []
-    for i, ids in enumerate(encoded):
+    encoded, outputs, acceptance = [], [], []
+    for i, messages in enumerate(prompts):
+        ids = encode_prompt(tokenizer, messages, template_kwargs).to(device)
+        encoded.append(ids)
         generator = torch.Generator(device).manual_seed(seed + i)
         tokens, lengths = yield from speculative_steps(
             target_model, drafter, head, ids, max_new_tokens, temperature, eos_ids, generator, block_size
