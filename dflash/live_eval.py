@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from dflash.eval import evaluate_steps, load_prompts, run_to_end
+from dflash.eval import evaluate_steps, load_prompts
 from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.protocol import Protocol
 from dflash.target import Target
@@ -98,15 +98,6 @@ class Evaluator:
         self.job: Generator[None, None, dict] | None = None
         self.step = 0
         self.began = 0.0
-        self._rehearse()
-
-    def _rehearse(self) -> None:
-        """Decode two tokens of the first prompt at start-up, so that what a first call
-        costs (template rendering, kernel choice for the decoding shapes, cache growth)
-        is paid here and not inside a slice that delays the training prefills."""
-        with self.target.eager():
-            run_to_end(evaluate_steps(self.target.model, self.tokenizer, self.drafter, self.head, self.prompts[:1], 2,
-                                      template_kwargs=self.settings.template_kwargs))
 
     @property
     def busy(self) -> bool:
@@ -245,20 +236,18 @@ class EvalServer:
         self.proto, self.evaluator, self.sliced = proto, evaluator, sliced
         self.handled = 0
         self.eval_s = 0.0
-        self.receive_ms = 0.0  # of the evaluation running: how long the weights' arrival held the target
-        self.slice_max_ms = 0.0  # and its longest slice: the most it can delay a prefill
+        self.slice_max_ms = 0.0  # the running evaluation's longest slice: the most it delayed a prefill
 
     def receive(self) -> None:
         """Before each micro-batch: take offered weights (a few ms), start decoding."""
         step = self.proto.eval_requested()
         if step is None or step == self.handled or self.evaluator.busy:
             return
-        began = time.perf_counter()
         flat = self.evaluator.buffer()
         dist.recv(flat, src=self.proto.topo.metrics_rank, group=self.proto.eval_link)
         self.handled = step
         self.evaluator.start(step, flat)
-        self.receive_ms, self.slice_max_ms = 1e3 * (time.perf_counter() - began), 0.0
+        self.slice_max_ms = 0.0
         while not self.sliced and self.idle():
             pass
 
@@ -272,7 +261,7 @@ class EvalServer:
         self.eval_s += seconds
         self.slice_max_ms = max(self.slice_max_ms, 1e3 * seconds)
         if record is not None:
-            record.update({"eval/receive_ms": round(self.receive_ms, 2), "eval/slice_max_ms": round(self.slice_max_ms, 2)})
+            record["eval/slice_max_ms"] = round(self.slice_max_ms, 2)
             self.proto.post_eval_result(record)
         return True
 

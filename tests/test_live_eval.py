@@ -59,7 +59,7 @@ def test_disaggregated_eval_equals_dflash_eval_of_the_checkpoint(tmp_path):
     ranks = (tmp_path / "run" / "ranks.json").read_text()
     assert '"eval_s"' in ranks
     live = next(r for r in read_records(tmp_path / "run") if "eval/tau" in r)
-    assert live["eval/receive_ms"] > 0 and live["eval/slice_max_ms"] > 0 and live["eval/handoff_ms"] > 0
+    assert live["eval/slice_max_ms"] > 0 and live["eval/handoff_ms"] > 0
 
 
 def test_weights_round_trip_through_the_flat_buffer():
