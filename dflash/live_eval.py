@@ -154,7 +154,10 @@ def eval_record(step: int, results: list[dict], seconds: float) -> dict:
         "eval/cycles": greedy["cycles"],
         "eval/s": round(seconds, 2),
         **{f"eval/hist_{k}": n for k, n in greedy["histogram"].items()},
+        "eval/divergent_prompts": len(greedy["divergences"]),
     }
+    if greedy["divergences"]:
+        record["eval/divergence_margin"] = max(abs(d["margin"]) for d in greedy["divergences"])
     for r in results[1:]:
         record[f"eval/tau@{r['temperature']:g}"] = r["tau"]
     return record

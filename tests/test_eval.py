@@ -9,8 +9,20 @@ import torch
 from conftest import tiny_drafter, tiny_target, word_tokenizer
 from torch import nn
 from torch.nn import functional as F
+from transformers import DynamicCache
 
-from dflash.eval import accept, encode_prompt, greedy_generate, load_prompts, main, speculative_generate, tau
+from dflash.eval import (
+    accept,
+    describe_divergences,
+    divergence,
+    encode_prompt,
+    greedy_generate,
+    load_prompts,
+    main,
+    speculative_generate,
+    tau,
+    with_cache,
+)
 from dflash.export import save_export
 from dflash.model import TargetHead
 
@@ -187,6 +199,7 @@ def test_cli_writes_the_report(target, tmp_path):
     assert report["lossless"] is True and report["block_size"] == B
     greedy, sampled = report["results"]["toy@0"], report["results"]["toy@1"]
     assert greedy["lossless"] is True and sampled["lossless"] is None
+    assert greedy["divergences"] == [] and sampled["divergences"] is None
     assert greedy["prompts"] == 3 and 0 < greedy["new_tokens"] <= 36
     assert set(greedy["histogram"]) == {"1", "2", "3", "4"}
     assert sum(greedy["histogram"].values()) == greedy["cycles"]
@@ -219,3 +232,24 @@ def test_prompts_are_rendered_with_the_training_template_arguments():
     no_thinking = encode_prompt(tokenizer, messages, {"enable_thinking": False})
     assert no_thinking.shape[1] > plain.shape[1]
     assert torch.equal(no_thinking[:, : plain.shape[1]], plain)
+
+
+def test_a_divergence_is_located_and_measured_by_the_target(target):
+    """Where a speculative output departs from plain greedy, and the target's logit margin
+    between the two tokens there, against the logits of the incremental greedy decode."""
+    ids = prompt(2)
+    greedy = greedy_generate(target, ids, MAX_NEW)
+    assert divergence(target, ids, greedy, list(greedy)) is None
+    at, cache = 5, DynamicCache(config=target.config)
+    logits = with_cache(target, cache, input_ids=ids).logits[0, -1]
+    for t in greedy[:at]:  # the target's logits after the prompt and greedy[:at], one token at a time
+        logits = with_cache(target, cache, input_ids=torch.tensor([[t]])).logits[0, -1]
+    logits = logits.double()
+    runner_up = int(logits.topk(2).indices[1])
+    assert int(logits.argmax()) == greedy[at] != runner_up
+    other = greedy[:at] + [runner_up] + greedy[at + 1:]
+    found = divergence(target, ids, greedy, other)
+    assert found["token"] == at
+    assert found["margin"] == pytest.approx(float(logits[greedy[at]] - logits[runner_up]), abs=1e-4)
+    assert found["margin"] > 0
+    assert "1 of 4 prompts" in describe_divergences([{"prompt": 2, **found}], 4)

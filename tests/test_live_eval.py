@@ -42,7 +42,7 @@ def check_against_checkpoint(run: Path, tmp: Path) -> None:
     assert live["eval/tau"] > 1.0, "the drafter accepts nothing yet: the comparison would prove nothing"
     want = eval_of_checkpoint(run, EVAL_STEP, tmp)
     greedy, sampled = want["results"]["heldout@0"], want["results"]["heldout@0.7"]
-    assert live["eval/tau"] == greedy["tau"] and live["eval/lossless"] is True
+    assert live["eval/tau"] == greedy["tau"] and live["eval/lossless"] is True and live["eval/divergent_prompts"] == 0
     assert {k: live[f"eval/hist_{k}"] for k in greedy["histogram"]} == greedy["histogram"]
     assert live["eval/tau@0.7"] == sampled["tau"]
     assert live["eval/tau_sim"] is not None
