@@ -189,7 +189,8 @@ def build_target_side(job: Job) -> TargetSide:
         dataset = load_dataset(cfg.data.path, tokenizer, max_len, cfg.data.min_loss_tokens, cfg.data.strict,
                                cfg.data.max_samples, cfg.data.cache_dir or None, cfg.topology.warmup_timeout_s,
                                weights=cfg.data.weights, seed=plan.seed, template_kwargs=cfg.data.chat_template_kwargs)
-    log.info("%d training samples, %d records skipped %s", len(dataset), sum(dataset.skipped.values()), dict(dataset.skipped))
+    skipped = dataset.skipped
+    log.info("%d training samples, %d records skipped %s", len(dataset), sum(skipped.values()), dict(skipped))
     pad_id = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return TargetSide(target, tokenizer, dataset, plan.sample_order(len(dataset)), plan, pad_id, job.device)
 

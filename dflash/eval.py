@@ -468,7 +468,8 @@ def format_table(report: dict) -> str:
     rows = [f"{'dataset':<24} {'T':>4} {'prompts':>7} {'tokens':>7} {'tau':>6} {'lossless':>8} {'tok/s':>8}"]
     for key, r in report["results"].items():
         tau_s = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
-        lossless = {None: "-", True: "yes", False: f"NO {len(r.get('divergences') or [])}/{r['prompts']}"}[r["lossless"]]
+        departed = len(r.get("divergences") or [])
+        lossless = {None: "-", True: "yes", False: f"NO {departed}/{r['prompts']}"}[r["lossless"]]
         rate = r["new_tokens"] / r["wall_s"] if r["wall_s"] else 0.0
         rows.append(
             f"{key:<24} {r['temperature']:>4g} {r['prompts']:>7} {r['new_tokens']:>7} {tau_s:>6} {lossless:>8} {rate:>8.1f}"
