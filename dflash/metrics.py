@@ -122,6 +122,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._append(record)
+        log.info("step %d: speculative decoding tau %s (tau_sim %s), lossless %s, %.1f s", record["step"],
+                 _rounded(record["eval/tau"]), _rounded(record["eval/tau_sim"]), _lossless(record), record["eval/s"])
         if self.run is not None:
             import wandb
 
@@ -144,3 +146,15 @@ class MetricsLogger:
             if summary:
                 self.run.summary.update(summary)
             self.run.finish()
+
+
+def _rounded(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _lossless(record: dict) -> str:
+    """``yes``, or how many prompts departed from plain greedy and the largest margin."""
+    if record["eval/lossless"] in (True, None):
+        return {True: "yes", None: "-"}[record["eval/lossless"]]
+    return (f"NO ({record['eval/divergent_prompts']} prompts depart from plain greedy; the target's logit margin "
+            f"there is at most {record['eval/divergence_margin']:.3g})")

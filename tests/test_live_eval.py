@@ -1,6 +1,7 @@
 """Speculative decoding while training (eval.every) gives what dflash.eval gives on the
 checkpoint of the same step, colocated and disaggregated."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from runs import read_records, run_colocated, run_disaggregated
 from dflash.eval import main as eval_main
 from dflash.export import load_export, save_export
 from dflash.live_eval import flat_weights
+from dflash.metrics import MetricsLogger
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,3 +71,14 @@ def test_weights_round_trip_through_the_flat_buffer():
     torch.nn.utils.vector_to_parameters(flat, dst.parameters())
     for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_the_console_line_of_an_evaluation_says_how_far_from_lossless(tmp_path, caplog):
+    metrics = MetricsLogger(tmp_path, {"mode": "disabled"}, {}, start_step=0)
+    record = {"step": 40, "eval/tau": 1.0, "eval/lossless": False, "eval/divergent_prompts": 2,
+              "eval/divergence_margin": 0.0123, "eval/s": 5.0}
+    with caplog.at_level(logging.INFO, logger="dflash.metrics"):
+        metrics.log_eval(record)
+    assert "step 40: speculative decoding tau 1.000 (tau_sim -), lossless NO (2 prompts depart" in caplog.text
+    assert "at most 0.0123" in caplog.text
+    assert read_records(tmp_path)[0]["eval/divergent_prompts"] == 2
