@@ -29,6 +29,9 @@ export directory)::
           "tau": float | null,    # null when no response needed a drafting cycle
           "histogram": {"1": int, ..., "<B>": int},  # cycles per acceptance length
           "lossless": bool | null,                   # null at temperature > 0
+          "divergences": [{"prompt": int, "token": int, "margin": float}] | null,
+                                                     # where greedy outputs departed, and the target's
+                                                     # logit margin there; [] when lossless
           "prompts": int, "new_tokens": int, "cycles": int,
           "wall_s": float,                           # speculative decoding only
           "baseline_wall_s": float | null            # plain greedy decoding, T = 0 only
@@ -346,10 +349,16 @@ def evaluate_steps(
     seed: int = 0,
     block_size: int | None = None,
     template_kwargs: Mapping | None = None,
+    greedy_outputs: dict[int, list[int]] | None = None,
 ) -> Generator[None, None, dict]:
     """Speculative decoding over ``prompts``; at temperature 0 also the lossless check.
     Pauses after every drafting cycle and every baseline token (``wall_s`` then
     includes whatever ran in the pauses).
+
+    ``greedy_outputs`` keeps the plain greedy outputs by prompt index across calls:
+    those found are reused, the others computed and added. The target is frozen, so
+    evaluations while training decode the baseline once, not at every evaluation
+    (it is the larger share of an evaluation: one target forward per token).
 
     Each prompt gets its own generator seeded ``seed + index``, so a sampled
     response does not depend on which prompts ran before it.
@@ -375,9 +384,11 @@ def evaluate_steps(
     lossless = baseline_wall_s = divergences = None
     if temperature == 0:
         started = time.perf_counter()
-        baseline = []
-        for ids in encoded:
-            baseline.append((yield from greedy_steps(target_model, ids, max_new_tokens, eos_ids)))
+        baseline, known = [], {} if greedy_outputs is None else greedy_outputs
+        for k, ids in enumerate(encoded):
+            if k not in known:
+                known[k] = yield from greedy_steps(target_model, ids, max_new_tokens, eos_ids)
+            baseline.append(known[k])
         baseline_wall_s = time.perf_counter() - started
         lossless = outputs == baseline
         divergences = []

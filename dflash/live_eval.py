@@ -98,6 +98,7 @@ class Evaluator:
         self.job: Generator[None, None, dict] | None = None
         self.step = 0
         self.began = 0.0
+        self.greedy: dict[int, list[int]] = {}  # the frozen target's plain greedy outputs, decoded once
 
     @property
     def busy(self) -> bool:
@@ -119,7 +120,7 @@ class Evaluator:
         for t in s.temperatures:
             results.append((yield from evaluate_steps(
                 self.target.model, self.tokenizer, self.drafter, self.head, self.prompts, s.max_new_tokens, t,
-                template_kwargs=s.template_kwargs,
+                template_kwargs=s.template_kwargs, greedy_outputs=self.greedy,
             )))
         return eval_record(self.step, results, time.perf_counter() - self.began)
 

@@ -253,3 +253,24 @@ def test_a_divergence_is_located_and_measured_by_the_target(target):
     assert found["margin"] == pytest.approx(float(logits[greedy[at]] - logits[runner_up]), abs=1e-4)
     assert found["margin"] > 0
     assert "1 of 4 prompts" in describe_divergences([{"prompt": 2, **found}], 4)
+
+
+def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch):
+    """Evaluations while training keep the frozen target's greedy outputs: the second
+    evaluation reuses them and reports the same lossless check."""
+    import dflash.eval as eval_module
+
+    tokenizer, drafter, head = word_tokenizer(VOCAB), tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(3)]
+    kept: dict[int, list[int]] = {}
+    first = eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)
+    assert sorted(kept) == [0, 1, 2] and first["lossless"] is True
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the kept baseline was decoded again")
+
+    monkeypatch.setattr(eval_module, "greedy_steps", no_decoding)
+    again = eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)
+    assert again["lossless"] is True and again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
+    kept[1] = kept[1][:-1] + [(kept[1][-1] + 1) % VOCAB]  # a baseline that disagrees is reported, not re-decoded
+    assert eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)["lossless"] is False
