@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
@@ -136,12 +136,22 @@ class Evaluator:
                 return done.value
         return None
 
-    def run(self, step: int, flat: torch.Tensor) -> dict:
-        """A whole evaluation at once (colocated)."""
+    def run(self, step: int, flat: torch.Tensor, interrupted: Callable[[], bool]) -> dict | None:
+        """A whole evaluation at once (colocated); ``None`` when ``interrupted()`` turns
+        true on the way, so that a SIGTERM reaches its checkpoint before the grace
+        period ends, not after the evaluation."""
         self.start(step, flat)
         while (record := self.advance()) is None:
-            pass
+            if interrupted():
+                self.abandon()
+                return None
         return record
+
+    def abandon(self) -> None:
+        """Drop the running evaluation."""
+        log.warning("the evaluation of step %d is abandoned: the run is stopping", self.step)
+        self.job.close()
+        self.job = None
 
 
 def eval_record(step: int, results: list[dict], seconds: float) -> dict:
@@ -170,11 +180,12 @@ class LocalEval:
     def __init__(self, evaluator: Evaluator, total_steps: int):
         self.evaluator, self.total_steps = evaluator, total_steps
 
-    def after_step(self, step: int, drafter: nn.Module) -> list[dict]:
+    def after_step(self, step: int, drafter: nn.Module, interrupted: Callable[[], bool]) -> list[dict]:
         if not self.evaluator.settings.due(step, self.total_steps):
             return []
         flat = flat_weights(drafter, self.evaluator.head.embed_weight.dtype)
-        return [self.evaluator.run(step, flat)]
+        record = self.evaluator.run(step, flat, interrupted)
+        return [] if record is None else [record]
 
 
 class RemoteEval:
@@ -188,7 +199,9 @@ class RemoteEval:
         self.skipped = 0
         self.handoff_ms = 0.0  # of the evaluation pending
 
-    def after_step(self, step: int, drafter: nn.Module) -> list[dict]:
+    def after_step(self, step: int, drafter: nn.Module, interrupted: Callable[[], bool]) -> list[dict]:
+        """Collect a finished evaluation and hand off the next one when due. Nothing
+        runs here to interrupt: target rank 0 abandons its evaluation itself."""
         records = self._collect()
         if self.settings.due(step, self.total_steps):
             if self.pending is not None:
@@ -218,9 +231,17 @@ class RemoteEval:
         self.sending = self.pending = None
         return [record]
 
-    def finish(self) -> list[dict]:
-        """After the last step: wait for the evaluation still running, if any."""
+    def finish(self, completed: bool) -> list[dict]:
+        """After the last step: wait for the evaluation still running, if any. A run
+        that stopped early (SIGTERM) does not wait: target rank 0 abandons it, after
+        taking the weights, which completes this rank's send."""
         if self.pending is None:
+            return []
+        if not completed:
+            with self.proto.phase("handing the last weights to target rank 0", self.proto.timeouts.step_s, [0]):
+                self.sending[0].wait()
+            log.warning("the evaluation of step %d is abandoned: the run stopped", self.pending)
+            self.sending = self.pending = None
             return []
         with self.proto.phase(f"waiting for the evaluation of step {self.pending} on target rank 0",
                               self.proto.timeouts.warmup_s, [0]):
@@ -238,9 +259,20 @@ class EvalServer:
         self.handled = 0
         self.eval_s = 0.0
         self.slice_max_ms = 0.0  # the running evaluation's longest slice: the most it delayed a prefill
+        self.interrupted = False  # SIGTERM: decode nothing more
+
+    def interrupt(self) -> None:
+        self.interrupted = True
+
+    def serve(self) -> None:
+        """Before each micro-batch: take offered weights (a few ms); unless sliced,
+        decode them at once."""
+        self.receive()
+        while not self.sliced and self.idle():
+            pass
 
     def receive(self) -> None:
-        """Before each micro-batch: take offered weights (a few ms), start decoding."""
+        """Take the weights offered, if any, and start their evaluation."""
         step = self.proto.eval_requested()
         if step is None or step == self.handled or self.evaluator.busy:
             return
@@ -249,11 +281,12 @@ class EvalServer:
         self.handled = step
         self.evaluator.start(step, flat)
         self.slice_max_ms = 0.0
-        while not self.sliced and self.idle():
-            pass
 
     def idle(self) -> bool:
-        """One slice while the target would wait; False when there is nothing to do."""
+        """One slice while the target would wait; False when there is nothing to do
+        (after a SIGTERM, the running evaluation is dropped instead)."""
+        if self.interrupted and self.evaluator.busy:
+            self.evaluator.abandon()
         if not self.evaluator.busy:
             return False
         began = time.perf_counter()
@@ -266,14 +299,18 @@ class EvalServer:
             self.proto.post_eval_result(record)
         return True
 
-    def until_stopped(self) -> None:
-        """After the data ends: serve evaluations until the drafters stop, then finish
-        the one running, so the drafters can collect it."""
+    def until_stopped(self, total_steps: int) -> None:
+        """After the data ends: serve evaluations until the drafters stop. Then take
+        the weights still on their way, if any (that completes the drafter's send), and
+        finish the evaluation running so the drafters can collect it; a run that
+        stopped early (SIGTERM) abandons it instead."""
         while not self.proto.stopped():
             self.receive()
             if not self.idle():
                 time.sleep(0.01)
         self.receive()
+        if self.evaluator.busy and self.proto.final_step() < total_steps:
+            self.evaluator.abandon()
         while self.idle():
             pass
 

@@ -121,7 +121,7 @@ def run_steps(
                 metrics.count(result)
                 if step % train.log_every == 0 or step == steps:
                     metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
-            for record in evaluator.after_step(step, trainer.drafter) if evaluator else ():
+            for record in evaluator.after_step(step, trainer.drafter, lambda: stop.requested) if evaluator else ():
                 metrics.log_eval(record)
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stopping:
                 with bounded(f"saving the checkpoint of step {step}"):
@@ -254,13 +254,18 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, cfg.topology.max_in_flight,
                           server.idle if server and server.sliced else None)
     first, last = start * plan.micro_per_step, steps * plan.micro_per_step
-    signal.signal(signal.SIGTERM, lambda *_: log.warning("SIGTERM: producing until the drafters have checkpointed"))
+    def on_sigterm(*_) -> None:
+        log.warning("SIGTERM: producing until the drafters have checkpointed")
+        if server:
+            server.interrupt()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         for m in topo.produced_by(topo.rank, first, last):
             if proto.stopped():
                 break
             if server:
-                server.receive()
+                server.serve()
             drafter = topo.consumer(m)
             with proto.phase(f"producing micro-batch {m} for drafter {drafter}", proto.timeouts.step_s, [drafter]):
                 batch, prefill = side.produce(m)
@@ -275,7 +280,7 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     with proto.phase("delivering the last bundles", proto.timeouts.step_s, topo.drafter_ranks):
         sender.drain()
     if server:
-        server.until_stopped()
+        server.until_stopped(steps)
     final_step = proto.final_step()
     proto.export_written()
     summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
@@ -329,7 +334,8 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
             unused = receiver.drain(target)
         if step == steps and unused:
             raise RuntimeError(f"rank {topo.rank}: target {target} sent {unused} bundles past the last step")
-    for record in evaluator.finish() if evaluator else ():  # after the drain: target 0 evaluates once its data ends
+    # after the drain: target rank 0 finishes its evaluation once its data ends
+    for record in evaluator.finish(step == steps) if evaluator else ():
         metrics.log_eval(record)
     summary = {
         "role": "drafter", "steps": step, "train_s": round(time.perf_counter() - started, 1),

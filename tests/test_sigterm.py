@@ -13,9 +13,10 @@ from runs import TINY
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch(cmd: list[str], output_dir: Path) -> subprocess.Popen:
+def launch(cmd: list[str], output_dir: Path, extra: list[str] = ()) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     overrides = [o for o in TINY if not o.startswith("train.max_steps")] + ["train.max_steps=500", f"output_dir={output_dir}"]
+    overrides += list(extra)
     return subprocess.Popen(cmd + overrides, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -53,3 +54,34 @@ def test_sigterm_checkpoints_and_exits(tmp_path, cmd):
     step = int(saved[-1].name.split("_")[1])
     assert 3 <= step < 500
     assert not (tmp_path / "export").exists(), "an interrupted run does not export"
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        [sys.executable, "-m", "dflash.train"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "-m", "dflash.train", "topology.target_ranks=1"],
+    ],
+    ids=["colocated", "disaggregated"],
+)
+def test_sigterm_abandons_an_evaluation_while_training(tmp_path, cmd):
+    """An evaluation running at SIGTERM (64 prompts x 256 tokens: a minute on the CPU) is
+    dropped, so the checkpoint comes within the grace period, not after the decoding."""
+    long_eval = ["eval.enabled=true", "eval.every=2", "eval.max_prompts=64", "eval.max_new_tokens=256"]
+    proc = launch(cmd, tmp_path, long_eval)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.is_file() and '"step": 2, "loss"' in metrics.read_text()):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"training did not reach step 2:\n{proc.stdout.read()}")
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("the job hung after SIGTERM")
+    assert "the evaluation of step 2 is abandoned" in out, out[-4000:]
+    assert sorted((tmp_path / "checkpoints").glob("step_*")), out[-4000:]
+    assert '"eval/tau"' not in metrics.read_text()
