@@ -85,7 +85,8 @@ def flat_weights(drafter: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 class Evaluator:
     """Holds a decoding copy of the drafter next to the target and evaluates it in
-    slices: :meth:`advance` does one drafting cycle or one baseline token."""
+    slices: :meth:`advance` does one prompt's prefill, one drafting cycle or one
+    baseline token."""
 
     def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, head: TargetHead, config: DrafterConfig,
                  settings: LiveEvalSettings):
