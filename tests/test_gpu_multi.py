@@ -115,6 +115,7 @@ def test_evaluation_while_training_on_target_rank_0(tmp_path):
     evals = [r for r in read_records(tmp_path) if "eval/tau" in r]
     assert [r["step"] for r in evals] == [3]
     assert evals[0]["eval/lossless"] is True and evals[0]["eval/tau"] >= 1.0 and "eval/tau@1" in evals[0]
-    assert evals[0]["eval/handoff_ms"] < 1000
+    assert evals[0]["eval/handoff_ms"] < 1000 and evals[0]["eval/slice_max_ms"] > 0
+    assert evals[0]["eval/divergent_prompts"] == 0
     assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
     assert "eval_s" in json.loads((tmp_path / "ranks.json").read_text())[0]
