@@ -36,7 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash.anchors import AnchorSpec, sample_anchors, sample_generator
 from dflash.bundle import MicroBatch
 from dflash.files import local_path
-from dflash.token_cache import Tokenised, cache_key, tokenise_once
+from dflash.token_cache import Tokenised, cache_key, relocate, tokenise_once
 
 log = logging.getLogger(__name__)
 
@@ -468,7 +468,7 @@ def _tokenise(
 ) -> Tokenised:
     """Read, check and tokenise every record; what cannot train is counted by category
     and noted with its ``file:line`` (per sample where a conversation gives several)."""
-    out = Tokenised([], [], [], Counter(), [], [])
+    out = Tokenised([], [], [], Counter(), [], [], [str(f) for files in sources for f in files])
 
     def skip(where: str, reason: str) -> None:
         out.skipped[reason.split(":")[0]] += 1
@@ -579,6 +579,7 @@ def load_dataset(
         key = cache_key(sources, tokenizer, max_len=max_len, min_loss_tokens=min_loss_tokens, max_samples=max_samples,
                         template_kwargs=kwargs)
         data, cached = tokenise_once(Path(cache_dir).expanduser(), key, tokenise, wait_s)
+        data = relocate(data, [str(f) for files in sources for f in files])
     seconds = time.perf_counter() - began
     total = len(data.ids) + len(data.problems)
     if cached:

@@ -24,7 +24,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when what tokenisation produces changes (mask rules, skip rules)
+FORMAT = 3  # bump when what tokenisation produces changes (mask rules, skip rules)
 
 
 @dataclass
@@ -43,6 +43,23 @@ class Tokenised:
     skipped: dict[str, int]  # a Counter while tokenising
     problems: list[str]
     origins: list[int] = field(default_factory=list)  # the data.path entry of each sample
+    files: list[str] = field(default_factory=list)  # every source file, where it was when read
+
+
+def relocate(data: Tokenised, files: list[str]) -> Tokenised:
+    """``data`` with its ``file:line`` locations naming ``files``, where the sources are
+    now. The cache key holds the files' names and contents, not their directories, so a
+    cached dataset may have been read from files that have moved since."""
+    moves = {old: new for old, new in zip(data.files, files) if old != new}
+    if not moves:
+        return data
+
+    def where(text: str) -> str:
+        file, sep, rest = text.partition(":")
+        return moves.get(file, file) + sep + rest
+
+    return replace(data, sources=[where(s) for s in data.sources], problems=[where(p) for p in data.problems],
+                   files=list(files))
 
 
 def _file_digest(path: Path) -> str:
@@ -83,7 +100,8 @@ def cache_key(sources: list[list[Path]], tokenizer: PreTrainedTokenizerBase, **o
 
 def _save(path: Path, data: Tokenised) -> None:
     lengths = np.array([len(i) for i in data.ids], dtype=np.int64)
-    meta = {"sources": data.sources, "origins": data.origins, "skipped": data.skipped, "problems": data.problems}
+    meta = {"sources": data.sources, "origins": data.origins, "skipped": data.skipped, "problems": data.problems,
+            "files": data.files}
     tmp = path.with_name(f".tmp_{os.getpid()}_{path.name}")
     with open(tmp, "wb") as fh:
         np.savez(
@@ -102,7 +120,7 @@ def _load(path: Path) -> Tokenised:
         meta = json.loads(f["meta"].tobytes())
     spans = list(zip(offsets[:-1].tolist(), offsets[1:].tolist()))
     return Tokenised([ids[a:b] for a, b in spans], [masks[a:b] for a, b in spans], meta["sources"], meta["skipped"],
-                     meta["problems"], meta["origins"])
+                     meta["problems"], meta["origins"], meta["files"])
 
 
 def _owner_is_gone(lock: Path) -> bool:
