@@ -256,7 +256,7 @@ def divergence(target_model: nn.Module, prompt_ids: torch.Tensor, greedy: list[i
 def resolve_prompts_path(path: str) -> Path:
     """Any file or directory ``data.path`` reads; the shipped held-out demo prompts are
     addressed as ``demo_heldout``."""
-    return local_path("prompts", path)
+    return local_path("data", path)
 
 
 def prompt_of(record: object) -> list[dict[str, str]]:

@@ -10,8 +10,7 @@ ASSETS = Path(__file__).parent / "assets"
 # Names that address what ships with the package, per kind of path.
 SHIPPED = {
     "target": {"demo": "demo_target"},
-    "data": {"demo": "demo_data/train.jsonl"},
-    "prompts": {"demo_heldout": "demo_data/heldout.jsonl"},
+    "data": {"demo": "demo_data/train.jsonl", "demo_heldout": "demo_data/heldout.jsonl"},
 }
 
 
