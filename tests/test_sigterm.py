@@ -13,6 +13,17 @@ from runs import TINY
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# one process, and a target with two drafters over gloo
+LAYOUTS = pytest.mark.parametrize(
+    "cmd",
+    [
+        [sys.executable, "-m", "dflash.train"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "-m", "dflash.train", "topology.target_ranks=1"],
+    ],
+    ids=["colocated", "disaggregated"],
+)
+
+
 def launch(cmd: list[str], output_dir: Path, extra: list[str] = ()) -> subprocess.Popen:
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     overrides = [o for o in TINY if not o.startswith("train.max_steps")] + ["train.max_steps=500", f"output_dir={output_dir}"]
@@ -32,23 +43,21 @@ def wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: f
     pytest.fail("training did not reach the first steps in time")
 
 
-@pytest.mark.parametrize(
-    "cmd",
-    [
-        [sys.executable, "-m", "dflash.train"],
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "-m", "dflash.train", "topology.target_ranks=1"],
-    ],
-    ids=["colocated", "disaggregated"],
-)
-def test_sigterm_checkpoints_and_exits(tmp_path, cmd):
-    proc = launch(cmd, tmp_path)
-    wait_for_steps(proc, tmp_path / "metrics.jsonl", 3)
+def terminate(proc: subprocess.Popen) -> str:
+    """SIGTERM, then the job's output once it has exited (a failure if it hangs)."""
     proc.send_signal(signal.SIGTERM)
     try:
-        out, _ = proc.communicate(timeout=120)
+        return proc.communicate(timeout=120)[0]
     except subprocess.TimeoutExpired:
         proc.kill()
         pytest.fail("the job hung after SIGTERM")
+
+
+@LAYOUTS
+def test_sigterm_checkpoints_and_exits(tmp_path, cmd):
+    proc = launch(cmd, tmp_path)
+    wait_for_steps(proc, tmp_path / "metrics.jsonl", 3)
+    out = terminate(proc)
     saved = sorted((tmp_path / "checkpoints").glob("step_*"))
     assert saved, out
     step = int(saved[-1].name.split("_")[1])
@@ -56,14 +65,7 @@ def test_sigterm_checkpoints_and_exits(tmp_path, cmd):
     assert not (tmp_path / "export").exists(), "an interrupted run does not export"
 
 
-@pytest.mark.parametrize(
-    "cmd",
-    [
-        [sys.executable, "-m", "dflash.train"],
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3", "-m", "dflash.train", "topology.target_ranks=1"],
-    ],
-    ids=["colocated", "disaggregated"],
-)
+@LAYOUTS
 def test_sigterm_abandons_an_evaluation_while_training(tmp_path, cmd):
     """An evaluation running at SIGTERM (64 prompts x 256 tokens: a minute on the CPU) is
     dropped, so the checkpoint comes within the grace period, not after the decoding."""
@@ -76,12 +78,7 @@ def test_sigterm_abandons_an_evaluation_while_training(tmp_path, cmd):
             proc.kill()
             pytest.fail(f"training did not reach step 2:\n{proc.stdout.read()}")
         time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("the job hung after SIGTERM")
+    out = terminate(proc)
     assert "the evaluation of step 2 is abandoned" in out, out[-4000:]
     assert sorted((tmp_path / "checkpoints").glob("step_*")), out[-4000:]
     assert '"eval/tau"' not in metrics.read_text()
