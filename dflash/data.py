@@ -93,6 +93,11 @@ def data_sources(path: str | Sequence[str]) -> list[list[Path]]:
     return [source_files(e) for e in entries]
 
 
+def source_names(sources: list[list[Path]]) -> list[str]:
+    """Every file of every ``data.path`` entry, as the locations of its records name it."""
+    return [str(f) for files in sources for f in files]
+
+
 class _Lines:
     """``file:line`` of positions met front to back in a JSON text, counted as it goes
     (linear in the file); a second record starting on a line adds ``:column``."""
@@ -468,7 +473,7 @@ def _tokenise(
 ) -> Tokenised:
     """Read, check and tokenise every record; what cannot train is counted by category
     and noted with its ``file:line`` (per sample where a conversation gives several)."""
-    out = Tokenised([], [], [], Counter(), [], [], [str(f) for files in sources for f in files])
+    out = Tokenised([], [], [], Counter(), [], [], source_names(sources))
 
     def skip(where: str, reason: str) -> None:
         out.skipped[reason.split(":")[0]] += 1
@@ -579,7 +584,7 @@ def load_dataset(
         key = cache_key(sources, tokenizer, max_len=max_len, min_loss_tokens=min_loss_tokens, max_samples=max_samples,
                         template_kwargs=kwargs)
         data, cached = tokenise_once(Path(cache_dir).expanduser(), key, tokenise, wait_s)
-        data = relocate(data, [str(f) for files in sources for f in files])
+        data = relocate(data, source_names(sources))
     seconds = time.perf_counter() - began
     total = len(data.ids) + len(data.problems)
     if cached:

@@ -57,7 +57,6 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from dflash.data import BadRecord, conversation_turns, iter_records, parse_turn
 from dflash.export import load_export
-from dflash.files import local_path
 from dflash.model import DFlashDrafter, TargetHead
 from dflash.target import TargetSource
 
@@ -253,12 +252,6 @@ def divergence(target_model: nn.Module, prompt_ids: torch.Tensor, greedy: list[i
 # ---------------------------------------------------------------------------
 
 
-def resolve_prompts_path(path: str) -> Path:
-    """Any file or directory ``data.path`` reads; the shipped held-out demo prompts are
-    addressed as ``demo_heldout``."""
-    return local_path("data", path)
-
-
 def prompt_of(record: object) -> list[dict[str, str]]:
     """The turns before the first assistant turn (a record without one is a prompt
     too, so benchmark prompt sets need no placeholder replies)."""
@@ -275,7 +268,7 @@ def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
     """The first ``max_prompts`` prompts of a prompt set in any format training reads
     (:func:`dflash.data.iter_records`); unreadable records are skipped and counted."""
     prompts, bad = [], []
-    for where, record in iter_records(str(resolve_prompts_path(path))):
+    for where, record in iter_records(path):
         try:
             messages = prompt_of(record)
         except BadRecord as e:
@@ -352,13 +345,14 @@ def evaluate_steps(
     greedy_outputs: dict[int, list[int]] | None = None,
 ) -> Generator[None, None, dict]:
     """Speculative decoding over ``prompts``; at temperature 0 also the lossless check.
-    Pauses after every drafting cycle and every baseline token (``wall_s`` then
-    includes whatever ran in the pauses).
+    Pauses after every prompt's prefill, drafting cycle, baseline token and divergence
+    measure (``wall_s`` then includes whatever ran in the pauses).
 
-    ``greedy_outputs`` keeps the plain greedy outputs by prompt index across calls:
-    those found are reused, the others computed and added. The target is frozen, so
-    evaluations while training decode the baseline once, not at every evaluation
-    (it is the larger share of an evaluation: one target forward per token).
+    ``greedy_outputs`` keeps the plain greedy outputs by prompt index across calls with
+    the same prompts, budget, template arguments and target: those found are reused,
+    the others computed and added. The target is frozen, so evaluations while training
+    (one dict per evaluator) decode the baseline once, not at every evaluation: it is
+    the larger share of an evaluation, one target forward per token.
 
     Each prompt gets its own generator seeded ``seed + index``, so a sampled
     response does not depend on which prompts ran before it.
@@ -476,14 +470,14 @@ def describe_divergences(divergences: list[dict], prompts: int) -> str:
 
 
 def format_table(report: dict) -> str:
-    rows = [f"{'dataset':<24} {'T':>4} {'prompts':>7} {'tokens':>7} {'tau':>6} {'lossless':>8} {'tok/s':>8}"]
+    rows = [f"{'dataset':<24} {'T':>4} {'prompts':>7} {'tokens':>7} {'tau':>6} {'lossless':>10} {'tok/s':>8}"]
     for key, r in report["results"].items():
         tau_s = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         departed = len(r.get("divergences") or [])
         lossless = {None: "-", True: "yes", False: f"NO {departed}/{r['prompts']}"}[r["lossless"]]
         rate = r["new_tokens"] / r["wall_s"] if r["wall_s"] else 0.0
         rows.append(
-            f"{key:<24} {r['temperature']:>4g} {r['prompts']:>7} {r['new_tokens']:>7} {tau_s:>6} {lossless:>8} {rate:>8.1f}"
+            f"{key:<24} {r['temperature']:>4g} {r['prompts']:>7} {r['new_tokens']:>7} {tau_s:>6} {lossless:>10} {rate:>8.1f}"
         )
     return "\n".join(rows)
 
@@ -493,13 +487,21 @@ def format_table(report: dict) -> str:
 # ---------------------------------------------------------------------------
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dflash.eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="demo", help="local HF model directory, or 'demo'")
     ap.add_argument("--drafter", required=True, help="export directory (config.json + model.safetensors)")
     ap.add_argument("--data", nargs="+", default=["demo=demo_heldout"], help="name=path.jsonl entries")
-    ap.add_argument("--max-prompts", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-prompts", type=positive, default=64)
+    ap.add_argument("--max-new-tokens", type=positive, default=256)
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     ap.add_argument("--seed", type=int, default=0)

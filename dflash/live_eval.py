@@ -62,6 +62,10 @@ class LiveEvalSettings:
 def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
     """``None`` unless ``eval.every > 0`` and there are held-out prompts."""
     every = int(cfg.eval.get("every") or 0)
+    if cfg.eval.enabled:
+        for key in ("max_prompts", "max_new_tokens"):
+            if int(cfg.eval[key]) < 1:
+                raise ValueError(f"eval.{key}={cfg.eval[key]} must be at least 1 (or eval.enabled=false)")
     if every <= 0 or not cfg.eval.enabled:
         return None
     if not cfg.data.eval_path:
@@ -182,7 +186,7 @@ class LocalEval:
         self.evaluator, self.total_steps = evaluator, total_steps
 
     def after_step(self, step: int, drafter: nn.Module, interrupted: Callable[[], bool]) -> list[dict]:
-        if not self.evaluator.settings.due(step, self.total_steps):
+        if not self.evaluator.settings.due(step, self.total_steps) or interrupted():
             return []
         flat = flat_weights(drafter, self.evaluator.head.embed_weight.dtype)
         record = self.evaluator.run(step, flat, interrupted)
@@ -201,10 +205,10 @@ class RemoteEval:
         self.handoff_ms = 0.0  # of the evaluation pending
 
     def after_step(self, step: int, drafter: nn.Module, interrupted: Callable[[], bool]) -> list[dict]:
-        """Collect a finished evaluation and hand off the next one when due. Nothing
-        runs here to interrupt: target rank 0 abandons its evaluation itself."""
+        """Collect a finished evaluation and hand off the next one when due, unless the
+        run is stopping (target rank 0 abandons a running evaluation itself)."""
         records = self._collect()
-        if self.settings.due(step, self.total_steps):
+        if self.settings.due(step, self.total_steps) and not interrupted():
             if self.pending is not None:
                 self.skipped += 1
                 log.warning("step %d: the evaluation of step %d is still running on target rank 0; skipped (%d so far)",
@@ -227,9 +231,12 @@ class RemoteEval:
         record = self.proto.eval_result(self.pending)
         if record is None:
             return []
-        self.sending[0].wait()  # long done: target rank 0 decoded with these weights
-        record["eval/handoff_ms"] = round(self.handoff_ms, 2)
+        self.sending[0].wait()  # long done: target rank 0 took these weights
         self.sending = self.pending = None
+        if record.get("abandoned"):
+            log.warning("the evaluation of step %d was abandoned on target rank 0 (SIGTERM)", record["step"])
+            return []
+        record["eval/handoff_ms"] = round(self.handoff_ms, 2)
         return [record]
 
     def finish(self, completed: bool) -> list[dict]:
@@ -246,8 +253,10 @@ class RemoteEval:
             return []
         with self.proto.phase(f"waiting for the evaluation of step {self.pending} on target rank 0",
                               self.proto.timeouts.warmup_s, [0]):
-            while (records := self._collect()) == []:
+            records = self._collect()
+            while self.pending is not None:  # a record, or word that it was abandoned
                 time.sleep(0.05)
+                records = self._collect()
         return records
 
 
@@ -263,7 +272,15 @@ class EvalServer:
         self.interrupted = False  # SIGTERM: decode nothing more
 
     def interrupt(self) -> None:
+        """From the SIGTERM handler: only a flag; the running evaluation is dropped at
+        the next slice."""
         self.interrupted = True
+
+    def _abandon(self) -> None:
+        """Drop the running evaluation and say so to the drafter that waits for it."""
+        step = self.evaluator.step
+        self.evaluator.abandon()
+        self.proto.post_eval_result({"step": step, "abandoned": True})
 
     def serve(self) -> None:
         """Before each micro-batch: take offered weights (a few ms); unless sliced,
@@ -287,7 +304,7 @@ class EvalServer:
         """One slice while the target would wait; False when there is nothing to do
         (after a SIGTERM, the running evaluation is dropped instead)."""
         if self.interrupted and self.evaluator.busy:
-            self.evaluator.abandon()
+            self._abandon()
         if not self.evaluator.busy:
             return False
         began = time.perf_counter()
@@ -311,7 +328,7 @@ class EvalServer:
                 time.sleep(0.01)
         self.receive()
         if self.evaluator.busy and self.proto.final_step() < total_steps:
-            self.evaluator.abandon()
+            self._abandon()
         while self.idle():
             pass
 

@@ -154,7 +154,9 @@ def _rounded(value: float | None) -> str:
 
 def _lossless(record: dict) -> str:
     """``yes``, or how many prompts departed from plain greedy and the largest margin."""
-    if record["eval/lossless"] in (True, None):
-        return {True: "yes", None: "-"}[record["eval/lossless"]]
+    if record["eval/lossless"] is None:
+        return "-"
+    if record["eval/lossless"]:
+        return "yes"
     return (f"NO ({record['eval/divergent_prompts']} prompts depart from plain greedy; the target's logit margin "
             f"there is at most {record['eval/divergence_margin']:.3g})")

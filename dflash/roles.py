@@ -254,7 +254,8 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, cfg.topology.max_in_flight,
                           server.idle if server and server.sliced else None)
     first, last = start * plan.micro_per_step, steps * plan.micro_per_step
-    def on_sigterm(*_) -> None:
+
+    def on_sigterm(*_: object) -> None:
         log.warning("SIGTERM: producing until the drafters have checkpointed")
         if server:
             server.interrupt()

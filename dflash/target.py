@@ -243,21 +243,22 @@ class TargetSource:
 
     def load(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
         """The frozen model and its tokenizer; nothing is downloaded."""
+        config, tokenizer = self.config(), self.tokenizer()
+        vocab_size = config.get_text_config().vocab_size
+        if self.tokenizer_path and len(tokenizer) > vocab_size:
+            raise ValueError(f"target.tokenizer={self.tokenizer_path!r} has {len(tokenizer)} tokens, more than the "
+                             f"target's vocab_size {vocab_size}")
         if self.is_random:
-            config, tokenizer = self.config(), self.tokenizer()
-            if tokenizer is not None and len(tokenizer) > config.vocab_size:
-                raise ValueError(f"target.tokenizer has {len(tokenizer)} tokens, more than the random target's "
-                                 f"vocab_size {config.vocab_size}")
             return random_target(config, device, dtype, self.seed), tokenizer
         model = AutoModelForCausalLM.from_pretrained(
             resolve_path(self.path),
-            config=self.config(),
+            config=config,
             dtype=dtype,
             trust_remote_code=self.trust_remote_code,
             local_files_only=True,
             attn_implementation="sdpa",
         ).to(device)
-        return model.eval().requires_grad_(False), self.tokenizer()
+        return model.eval().requires_grad_(False), tokenizer
 
     def head(self, device: torch.device, dtype: torch.dtype) -> TargetHead:
         """Only the embedding and LM head, read straight from the safetensors.

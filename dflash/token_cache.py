@@ -50,13 +50,15 @@ def relocate(data: Tokenised, files: list[str]) -> Tokenised:
     """``data`` with its ``file:line`` locations naming ``files``, where the sources are
     now. The cache key holds the files' names and contents, not their directories, so a
     cached dataset may have been read from files that have moved since."""
-    moves = {old: new for old, new in zip(data.files, files) if old != new}
+    moves = sorted(((old, new) for old, new in zip(data.files, files) if old != new), key=lambda m: -len(m[0]))
     if not moves:
         return data
 
     def where(text: str) -> str:
-        file, sep, rest = text.partition(":")
-        return moves.get(file, file) + sep + rest
+        for old, new in moves:  # longest first: a path may itself contain ':'
+            if text.startswith(old + ":"):
+                return new + text[len(old):]
+        return text
 
     return replace(data, sources=[where(s) for s in data.sources], problems=[where(p) for p in data.problems],
                    files=list(files))

@@ -2,18 +2,20 @@
 checkpoint of the same step, colocated and disaggregated."""
 
 import logging
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import tiny_drafter
-from runs import read_records, run_colocated, run_disaggregated
+from runs import compose_cfg, read_records, run_colocated, run_disaggregated
 
 from dflash.eval import main as eval_main
 from dflash.export import load_export, save_export
-from dflash.live_eval import flat_weights
+from dflash.live_eval import RemoteEval, flat_weights, live_eval_settings
 from dflash.metrics import MetricsLogger
+from dflash.protocol import Timeouts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,3 +84,43 @@ def test_the_console_line_of_an_evaluation_says_how_far_from_lossless(tmp_path, 
     assert "step 40: speculative decoding tau 1.000 (tau_sim -), lossless NO (2 prompts depart" in caplog.text
     assert "at most 0.0123" in caplog.text
     assert read_records(tmp_path)[0]["eval/divergent_prompts"] == 2
+
+
+class _Sent:
+    """A finished send: ``wait()`` once."""
+
+    def __init__(self):
+        self.waits = 0
+
+    def wait(self) -> None:
+        self.waits += 1
+
+
+class _Store:
+    """The metrics rank's view of target rank 0's answers."""
+
+    def __init__(self, answers: list[dict | None]):
+        self.answers = answers
+        self.timeouts = Timeouts(init_s=5, warmup_s=5, step_s=5)
+
+    def eval_result(self, step: int) -> dict | None:
+        return self.answers.pop(0)
+
+    def phase(self, what: str, timeout_s: float, peers=()):
+        return nullcontext()
+
+
+def test_an_abandoned_evaluation_is_collected_as_nothing_and_frees_the_next():
+    """Target rank 0 answers an abandoned evaluation with a tombstone: the drafter's wait
+    ends, its send is completed once, and the next due step hands off again."""
+    remote = RemoteEval(_Store([None, {"step": 2, "abandoned": True}]), None, torch.float32, total_steps=10)
+    sent = _Sent()
+    remote.sending, remote.pending = (sent, torch.zeros(1)), 2
+    assert remote.finish(completed=True) == []
+    assert remote.pending is None and sent.waits == 1
+
+
+def test_an_evaluation_budget_below_one_is_refused_at_start():
+    cfg = compose_cfg(["eval.every=5", "eval.max_new_tokens=0"])
+    with pytest.raises(ValueError, match="eval.max_new_tokens=0 must be at least 1"):
+        live_eval_settings(cfg)

@@ -133,7 +133,7 @@ def test_random_target_takes_a_separate_tokenizer(tmp_path):
     assert tokenizer is not None and tokenizer.encode("hello") == TargetSource("demo").tokenizer().encode("hello")
     assert TargetSource("random", shape={**SMALL_SHAPE, "vocab_size": 512}).load(torch.device("cpu"),
                                                                                  torch.float32)[1] is None
-    with pytest.raises(ValueError, match="more than the random target's vocab_size 300"):
+    with pytest.raises(ValueError, match="more than the target's vocab_size 300"):
         TargetSource("random", shape={**SMALL_SHAPE, "vocab_size": 300}, tokenizer_path="demo").load(
             torch.device("cpu"), torch.float32)
     with pytest.raises(FileNotFoundError, match="not a local tokenizer directory"):

@@ -59,14 +59,15 @@ def test_a_second_start_loads_what_the_first_tokenised(tmp_path, tokenizer, call
 
 
 def test_a_moved_file_loads_from_the_cache_and_is_named_where_it_is_now(tmp_path, tokenizer, calls):
-    (tmp_path / "old").mkdir()
-    (tmp_path / "new").mkdir()
-    first = load(write(tmp_path / "old" / "d.jsonl", [GOOD, OTHER]), tokenizer, tmp_path / "cache")
-    assert len(first.problems) == 1 and first.problems[0].startswith(f"{tmp_path / 'old' / 'd.jsonl'}:3: broken JSON")
-    moved = (tmp_path / "old" / "d.jsonl").rename(tmp_path / "new" / "d.jsonl")
+    old, new = tmp_path / "run:1", tmp_path / "new"  # a ':' in a path does not end its file name
+    old.mkdir()
+    new.mkdir()
+    first = load(write(old / "d.jsonl", [GOOD, OTHER]), tokenizer, tmp_path / "cache")
+    assert len(first.problems) == 1 and first.problems[0].startswith(f"{old / 'd.jsonl'}:3: broken JSON")
+    moved = (old / "d.jsonl").rename(new / "d.jsonl")
     second = load(moved, tokenizer, tmp_path / "cache")
     assert len(calls) == 2, "loaded from the cache"
-    assert second.problems == [p.replace(str(tmp_path / "old"), str(tmp_path / "new")) for p in first.problems]
+    assert second.problems == [p.replace(str(old), str(new)) for p in first.problems]
     assert [s.source for s in second.samples] == [f"{moved}:1", f"{moved}:2"]
 
 
