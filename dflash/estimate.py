@@ -18,6 +18,7 @@ import torch
 
 from dflash.build import Job, meta_models, split_by_flops
 from dflash.bundle import shapes
+from dflash.live_eval import eval_every
 from dflash.model import DrafterConfig
 from dflash.plan import Plan
 from dflash.target import decoder_layers
@@ -163,7 +164,7 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
         + (tokens * text.vocab_size * 4 / GIB if plan.topk else 0.0),
         "bundles in flight": in_flight * bundle / GIB,
     }
-    if live_eval_every(job):
+    if eval_every(job.cfg):
         # the decoding copy of the drafter that evaluations while training run (rank 0; all, to be safe)
         target_gib["evaluation drafter"] = drafter_params * dtype_bytes / GIB
     queries = micro * plan.num_anchors * plan.block_size
@@ -184,11 +185,6 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
         world_size, num_targets, auto, target_params, drafter_params, head_params, bundle, plan.micro_per_step,
         target_gib, drafter_gib, _device_gib(job), t_flops, d_flops, target_rate, drafter_rate, rates_from,
     )
-
-
-def live_eval_every(job: Job) -> int:
-    """``eval.every`` when evaluations while training will run, else 0."""
-    return int(job.cfg.eval.every or 0) if job.cfg.eval.enabled else 0
 
 
 def check_fits(e: Estimate) -> None:
@@ -235,7 +231,7 @@ def format_estimate(job: Job, e: Estimate) -> str:
         f"  FLOPs per sample: target prefill {e.target_flops / 1e12:.3g} T, drafter step {e.drafter_flops / 1e12:.3g} T "
         f"(max_len {plan.max_len}, {plan.num_anchors} anchors, block {plan.block_size})"
     )
-    every = live_eval_every(job)
+    every = eval_every(job.cfg)
     if every:
         where = "in process" if e.world_size == 1 else "on target rank 0"
         lines.append(f"  eval: speculative decoding every {every} steps {where}, with a decoding copy of the "

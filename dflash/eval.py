@@ -155,7 +155,8 @@ def speculative_steps(
     generator: torch.Generator | None = None,
     block_size: int | None = None,
 ) -> Generator[None, None, tuple[list[int], list[int]]]:
-    """Generate from ``prompt_ids`` ``[1, S]``, pausing after every drafting cycle;
+    """Generate from ``prompt_ids`` ``[1, S]``, pausing after the prompt's prefill and
+    after every drafting cycle;
     returns (new tokens, acceptance length per cycle). The pauses let a target rank
     run an evaluation in the gaps between its training work (:mod:`dflash.live_eval`).
 

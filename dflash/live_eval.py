@@ -59,14 +59,20 @@ class LiveEvalSettings:
         return step % self.every == 0 and step < total_steps
 
 
+def eval_every(cfg: DictConfig) -> int:
+    """``eval.every`` when evaluations while training will run (``eval.enabled``), else 0."""
+    return int(cfg.eval.get("every") or 0) if cfg.eval.enabled else 0
+
+
 def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
-    """``None`` unless ``eval.every > 0`` and there are held-out prompts."""
-    every = int(cfg.eval.get("every") or 0)
+    """``None`` unless ``eval.every > 0`` and there are held-out prompts. Checks the
+    evaluation budgets at start, for the export's evaluation too."""
     if cfg.eval.enabled:
         for key in ("max_prompts", "max_new_tokens"):
             if int(cfg.eval[key]) < 1:
                 raise ValueError(f"eval.{key}={cfg.eval[key]} must be at least 1 (or eval.enabled=false)")
-    if every <= 0 or not cfg.eval.enabled:
+    every = eval_every(cfg)
+    if every <= 0:
         return None
     if not cfg.data.eval_path:
         raise ValueError(f"eval.every={every} needs held-out prompts: set data.eval_path")

@@ -54,7 +54,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from dflash.build import compose_config, pick_device
+from dflash.build import compose_config, pick_device, target_source
 from dflash.data import BadRecord, conversation_turns, iter_records, parse_turn
 from dflash.eval import encode_prompt, stop_ids
 from dflash.roles import peak_memory_gib
@@ -608,9 +608,9 @@ def settings_of(args: argparse.Namespace, cfg: DictConfig, sampling: Sampling) -
 
 def load_local(cfg: DictConfig, sampling: Sampling) -> LocalTarget:
     """The target in bf16 on this rank's GPU, or in fp32 on the CPU."""
-    source = TargetSource(cfg.target.path, cfg.target.trust_remote_code)
+    source = target_source(cfg)
     if source.is_random:
-        raise ValueError("target.path=random has no tokenizer to render prompts with: it serves --bench only")
+        raise ValueError("target.path=random has random weights, whose replies are no data: it serves --bench only")
     device, dtype = pick_device()
     model, tokenizer = source.load(device, dtype)
     return LocalTarget(model, tokenizer, sampling)

@@ -355,9 +355,9 @@ def eval_server(job: Job, topo: Topology, proto: Protocol, side: TargetSide) -> 
     live = live_eval_settings(job.cfg)
     if live is None or topo.rank != 0:
         return None
-    config = drafter_config(job, resolve_mask_token_id(side.tokenizer, side.target.head().vocab_size,
-                                                       job.cfg.target.mask_token_id))
-    evaluator = Evaluator(side.target, side.tokenizer, side.target.head(), config, live)
+    head = side.target.head()
+    config = drafter_config(job, resolve_mask_token_id(side.tokenizer, head.vocab_size, job.cfg.target.mask_token_id))
+    evaluator = Evaluator(side.target, side.tokenizer, head, config, live)
     return EvalServer(proto, evaluator, sliced=job.device.type == "cuda")
 
 
