@@ -8,6 +8,7 @@ sums so every sink sees the same numbers.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import logging
 import time
@@ -30,6 +31,13 @@ def wandb_run_id(output_dir: Path, start_step: int) -> str:
     run_id = uuid.uuid4().hex[:12]
     path.write_text(run_id + "\n")
     return run_id
+
+
+def require_wandb(mode: str) -> None:
+    """Refuse at start, on every rank, a W&B mode whose package is missing: the
+    metrics rank first imports it after the compile warmup, minutes into a run."""
+    if mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"wandb.mode={mode} needs the wandb package: pip install wandb, or set wandb.mode=disabled")
 
 
 class MetricsLogger:

@@ -283,6 +283,16 @@ class Protocol:
     def summaries(self, summary: dict) -> list[dict]:
         return self._all_values("end-of-run summaries", summary)
 
+    def abort(self) -> None:
+        """On an error: end this rank's communicators without waiting for its peers.
+        NCCL's orderly shutdown waits for them, and a peer still waiting on this rank
+        (a send it posted, a collective) then holds this process alive and silent, so
+        torchrun never learns of the error and never ends the run."""
+        if dist.get_backend() == "nccl":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+
     def close(self) -> None:
         """Rank 0 leaves last: without torchrun it hosts the store that others still read."""
         self.store.set(f"done/{self.rank}", "1")

@@ -23,13 +23,13 @@ import tempfile
 from pathlib import Path
 
 import hydra
-import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.build import build_job, build_topology, timeouts
 from dflash.compile import assert_main_thread
 from dflash.estimate import PlanError, check_fits, estimate, format_estimate
 from dflash.live_eval import live_eval_settings
+from dflash.metrics import require_wandb
 from dflash.protocol import Protocol
 from dflash.roles import run_colocated, run_drafter_rank, run_target_rank
 from dflash.topology import Topology, TopologyError
@@ -65,6 +65,7 @@ def train(cfg: DictConfig) -> dict:
     job = build_job(cfg)
     if cfg.dry_run:
         return dry_run(cfg, job)
+    require_wandb(cfg.wandb.mode)
     topo = build_topology(job)
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:
@@ -89,7 +90,7 @@ def train(cfg: DictConfig) -> dict:
             output_dir.mkdir(parents=True, exist_ok=True)
             summary = run_drafter_rank(job, topo, proto)
     except BaseException:
-        dist.destroy_process_group()
+        proto.abort()
         raise
     proto.close()
     return summary

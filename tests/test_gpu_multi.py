@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,45 @@ def _groups_worker(rank: int, port: int, out: str) -> None:
     steps = proto.agree_steps(5 if rank == 0 else None)
     Path(out, f"rank{rank}").write_text(json.dumps({"steps": steps, "sum": float(payload.sum())}))
     proto.close()
+
+
+def _failing_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    proto = Protocol(Topology(2, rank, 1, 1, 1), device, Timeouts(init_s=120, warmup_s=120, step_s=120), eval_link=True)
+    proto.start()
+    sent = Path(out, "sent")
+    if rank == 0:  # a bundle the drafter never takes, as when it fails before its first receive
+        payload = torch.ones(1 << 24, device=device)
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, payload, 1, group=proto.pairs[(0, 1)])])
+        sent.write_text("1")
+        time.sleep(600)
+    while not sent.exists():
+        time.sleep(0.05)
+    try:
+        raise RuntimeError("a drafter rank fails")
+    except RuntimeError:
+        proto.abort()  # what dflash.train does with any error
+        raise
+
+
+@gpus(2)
+def test_a_failing_rank_exits_while_its_peer_still_waits_on_it(tmp_path):
+    """A rank that fails must exit, so torchrun can end the run; NCCL's orderly
+    shutdown instead waited for the peer's pending send, holding it alive and silent."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    workers = [context.Process(target=_failing_worker, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    for w in workers:
+        w.start()
+    try:
+        workers[1].join(timeout=120)
+        assert workers[1].exitcode not in (None, 0), "the failing rank did not exit"
+    finally:
+        for w in workers:
+            w.kill()
+            w.join()
 
 
 @gpus(2)

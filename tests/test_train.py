@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from hydra.errors import ConfigCompositionException
 from runs import compose_cfg, read_metrics, read_records, run_colocated, run_disaggregated
 from safetensors.torch import load_file
+
+from dflash.metrics import require_wandb
 
 
 def test_colocated_run_writes_every_output(tmp_path):
@@ -78,3 +81,10 @@ def test_auto_split_counts_both_models():
 
     for world in (2, 4, 8):
         assert 1 <= auto_split(build_job(compose_cfg([])), world) <= world - 1
+
+
+def test_a_missing_wandb_is_refused_at_start(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ValueError, match="wandb.mode=offline needs the wandb package"):
+        require_wandb("offline")
+    require_wandb("disabled")
