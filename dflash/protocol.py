@@ -288,6 +288,8 @@ class Protocol:
         NCCL's orderly shutdown waits for them, and a peer still waiting on this rank
         (a send it posted, a collective) then holds this process alive and silent, so
         torchrun never learns of the error and never ends the run."""
+        if not dist.is_initialized():
+            return
         if dist.get_backend() == "nccl":
             dist.distributed_c10d._abort_process_group()
         else:

@@ -82,8 +82,8 @@ def train(cfg: DictConfig) -> dict:
     if topo is None:
         return run_colocated(job)
     proto = Protocol(topo, job.device, timeouts(cfg), eval_link=live_eval_settings(cfg) is not None)
-    proto.start()
     try:
+        proto.start()
         if topo.is_target:
             summary = run_target_rank(job, topo, proto)
         else:
