@@ -69,7 +69,8 @@ def actions(device: torch.device, hidden: int, heads: int, kv_heads: int, vocab:
         "gemm_16_rows": gemm(16),  # a verified block
         "gemm_333_rows": gemm(333),  # a prompt's prefill
         "sdpa_prefill_causal_333": sdpa(333, 333, masked=False),
-        "sdpa_block_masked_16x349": sdpa(16, 349, masked=True),
+        "sdpa_block_masked_16x349": sdpa(16, 349, masked=True),  # a key length off the kernels' alignment
+        "sdpa_block_masked_16x352": sdpa(16, 352, masked=True),
         "sdpa_token_1x350": sdpa(1, 350, masked=False),
         "rms_norm_mixed_dtypes": lambda: F.rms_norm(torch.randn(16, hidden, device=device, dtype=dtype), (hidden,),
                                                     norm_weight, 1e-6),
