@@ -14,7 +14,8 @@ compile time per stage; last, the compiled drafter's warmup once more from the
 compile cache on disk (a warm start, as a second launch). MFU uses
 the FLOP count of docs/DESIGN.md section 6 (printed with the table) over
 ``--peak-tflops``. ``--warmup-procs N`` instead times the compile warmup of N
-drafter processes on this machine, all at once against staggered; ``--p2p``
+drafter processes on this machine, each with its own compile cache, all at once
+against staggered (later turns receive the first rank's compiled code); ``--p2p``
 sends bundles of the configured shapes between two local ranks (NCCL on two
 GPUs, gloo on the CPU) against a raw send of the same bytes.
 """
@@ -30,6 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,7 +44,7 @@ from dflash.checkpoint import load_checkpoint, save_checkpoint
 from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.estimate import drafter_flops, prefill_flops
 from dflash.model import TargetHead
-from dflash.protocol import free_port, set_rank_env
+from dflash.protocol import free_port, get_bytes, put_bytes, set_rank_env
 from dflash.roles import peak_memory_gib
 from dflash.step import DrafterTrainer
 from dflash.target import RANDOM, Target, random_target
@@ -51,6 +53,7 @@ from dflash.transport import BundleReceiver, BundleSender
 log = logging.getLogger("dflash.bench")
 
 MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead"}
+ARTIFACTS_KEY = "compile_artifacts"  # where --warmup-procs hands compiled code on, in its store
 
 
 def bench_job(overrides: list[str]) -> Job:
@@ -300,29 +303,42 @@ def run_bench(
     }
 
 
-def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], turns: int, result_dir: str) -> None:
-    set_rank_env(rank, world, port)
-    dist.init_process_group("gloo")
+def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], turns: int, cache_root: str,
+                   result_dir: str) -> None:
+    # an inductor cache of its own, as on another node: what a later turn does not
+    # receive from rank 0 it compiles
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache_root, f"rank{rank}"))
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=900))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     job = bench_job(overrides)
     text = job.target_config.get_text_config()
     head = TargetHead(*(torch.randn(text.vocab_size, text.hidden_size, device=job.device, dtype=job.dtype) for _ in range(2)))
     trainer = build_trainer(job, head, 0, 10**6)
     turn = warmup_turn(rank == 0, rank, turns)
     share_compile_threads(sum(warmup_turn(r == 0, r, turns) == turn for r in range(world)))
-    report = staggered_warmup(lambda: warm_drafter(job.plan, trainer, job.dtype), turn, turns, lambda _: dist.barrier())
+    send = receive = None
+    if turns > 1 and rank == 0:
+        def send(data: bytes) -> None:
+            put_bytes(store, ARTIFACTS_KEY, data)
+    elif turns > 1 and turn > 0:
+        def receive() -> bytes:
+            store.wait([f"{ARTIFACTS_KEY}/chunks"])
+            return get_bytes(store, ARTIFACTS_KEY)
+    report = staggered_warmup(lambda: warm_drafter(job.plan, trainer, job.dtype), turn, turns,
+                              lambda _: dist.barrier(), receive, send)
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **report}))
     dist.destroy_process_group()
 
 
 def run_warmup(overrides: list[str], procs: int) -> dict:
     """``procs`` drafter processes on this machine warm up all at once, then staggered
-    (the first compiles, the rest load from its cache), each from an empty inductor
-    cache. The span runs from the first rank starting to the last rank done."""
+    (the first compiles and hands its compiled artifacts to the rest through the
+    store, as training does), each with an empty inductor cache of its own. The
+    span runs from the first rank starting to the last rank done."""
     report = {"procs": procs, "overrides": overrides}
     for name, turns in (("all_at_once", 1), ("staggered", 2)):
         with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as out:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
-            args = (procs, free_port(), overrides, turns, out)
+            args = (procs, free_port(), overrides, turns, cache, out)
             mp.start_processes(_warmup_worker, args=args, nprocs=procs, join=True, start_method="spawn")
             ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(procs)]
         span = max(r["ended"] for r in ranks) - min(r["began"] for r in ranks)
@@ -406,8 +422,10 @@ def format_report(report: dict) -> str:
             r = report[name]
             lines.append(f"  {name}: {r['span_s']:.1f} s from first start to last done")
             lines += [
-                f"    rank {x['rank']} turn {x['turn']}: {x['wall_s']:.1f} s, FX cache {x['fx_cache_hits']} hits / "
-                f"{x['fx_cache_misses']} misses, AOT cache {x['aot_cache_hits']} hits / {x['aot_cache_misses']} misses"
+                f"    rank {x['rank']} turn {x['turn']}: {x['wall_s']:.1f} s, {x['cache']}, artifacts "
+                f"{x['artifacts_received'] / 1e6:.1f} MB in / {x['artifacts_sent'] / 1e6:.1f} MB out, FX cache "
+                f"{x['fx_cache_hits']} hits / {x['fx_cache_misses']} misses, AOT cache {x['aot_cache_hits']} hits / "
+                f"{x['aot_cache_misses']} misses"
                 for x in r["ranks"]
             ]
         return "\n".join(lines)
