@@ -62,11 +62,16 @@ class MetricsLogger:
             # evaluations come back after later steps were logged: they get their own x-axis
             self.run.define_metric("eval/step")
             self.run.define_metric("eval/*", step_metric="eval/step")
-        self._last = self._began = time.perf_counter()
+        self.begin()
         self._start_step = start_step
         self._samples = self._tokens = 0
         self._tau_sim: dict[int, float] = {}
         self._acc: list[float] = []
+
+    def begin(self) -> None:
+        """Start the clock of samples/s and the ETA. The logger is made before the
+        compile warmup, so that a W&B problem shows in seconds, and begins with training."""
+        self._last = self._began = time.perf_counter()
 
     def _keep_until(self, step: int) -> None:
         """A fresh run starts an empty file; a resumed one drops records past its

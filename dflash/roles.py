@@ -98,6 +98,7 @@ def run_steps(
         return proto.phase(what, proto.timeouts.step_s, proto.other_drafters()) if proto else nullcontext()
 
     stop = StopRequested()
+    metrics.begin()
     in_a_row, skipped = 0, 0
     step = start
     try:
@@ -185,6 +186,10 @@ def run_colocated(job: Job) -> dict:
     steps = plan.total_steps(len(side.dataset))
     trainer = build_trainer(job, head, mask_id, steps)
     start = resume_step(cfg, trainer)
+    metrics = MetricsLogger(
+        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
+    )
+    metrics.log_data(side.dataset.summary())
 
     def warm() -> None:
         if job.compile.target:
@@ -200,10 +205,6 @@ def run_colocated(job: Job) -> dict:
     def feed(step: int):
         return (side.produce(m) for m in range(step * per_step, (step + 1) * per_step))
 
-    metrics = MetricsLogger(
-        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
-    )
-    metrics.log_data(side.dataset.summary())
     live = live_eval_settings(cfg)
     evaluator = LocalEval(Evaluator(side.target, side.tokenizer, head, trainer.drafter.config, live), steps) if live else None
     started = time.perf_counter()
@@ -304,6 +305,12 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     with proto.phase("reading the checkpoint to resume from", proto.timeouts.warmup_s, proto.other_drafters()):
         resumed = resume_step(cfg, trainer, proto.drafters)
     start = proto.agree_start(resumed)
+    is_metrics = topo.rank == topo.metrics_rank
+    metrics = MetricsLogger(
+        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
+    )
+    if is_metrics:
+        metrics.log_data(proto.data_summary())
     warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))
     guard = CompileGuard(job.compile.strict)
     guard.arm()
@@ -317,12 +324,6 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
                 _, batch, prefill = receiver.receive(producer, m)
             yield batch, prefill
 
-    is_metrics = topo.rank == topo.metrics_rank
-    metrics = MetricsLogger(
-        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
-    )
-    if is_metrics:
-        metrics.log_data(proto.data_summary())
     counters = PipelineCounters(receiver, topo.num_targets, proto.drafters, device)
     live = live_eval_settings(cfg) if is_metrics else None
     evaluator = RemoteEval(proto, live, head.embed_weight.dtype, steps) if live else None
