@@ -67,30 +67,31 @@ def _readable(path: Path) -> bool:
     return (path.is_file() and path.suffix in FILE_SUFFIXES) or is_saved_dataset(path)
 
 
-def source_files(path: str) -> list[Path]:
+def source_files(path: str, key: str = "data.path") -> list[Path]:
     """What one ``data.path`` entry names: a file, a saved dataset, a directory of those
-    (not recursive, by name), or a shipped name such as ``demo``."""
+    (not recursive, by name), or a shipped name such as ``demo``. Errors name ``key``,
+    the setting the path came from."""
     p = local_path("data", path)
     if (p / "dataset_dict.json").is_file():
-        raise ValueError(f"data.path={path!r} is a DatasetDict: name one split, e.g. {p / 'train'}")
+        raise ValueError(f"{key}={path!r} is a DatasetDict: name one split, e.g. {p / 'train'}")
     if p.is_dir() and not is_saved_dataset(p):
         files = sorted(f for f in p.iterdir() if _readable(f))
         if not files:
-            raise FileNotFoundError(f"data.path={path!r} holds no {'/'.join(FILE_SUFFIXES)} files or saved datasets")
+            raise FileNotFoundError(f"{key}={path!r} holds no {'/'.join(FILE_SUFFIXES)} files or saved datasets")
         return files
     if not p.exists():
-        raise FileNotFoundError(f"data.path={path!r} does not exist")
+        raise FileNotFoundError(f"{key}={path!r} does not exist")
     if not _readable(p):
-        raise ValueError(f"data.path={path!r}: not a {'/'.join(FILE_SUFFIXES)} file or a saved dataset directory")
+        raise ValueError(f"{key}={path!r}: not a {'/'.join(FILE_SUFFIXES)} file or a saved dataset directory")
     return [p]
 
 
-def data_sources(path: str | Sequence[str]) -> list[list[Path]]:
+def data_sources(path: str | Sequence[str], key: str = "data.path") -> list[list[Path]]:
     """The files of each ``data.path`` entry (one string or a list), in order."""
     entries = [path] if isinstance(path, str) else [str(p) for p in path]
     if not entries:
-        raise ValueError("data.path is an empty list")
-    return [source_files(e) for e in entries]
+        raise ValueError(f"{key} is an empty list")
+    return [source_files(e, key) for e in entries]
 
 
 def source_names(sources: list[list[Path]]) -> list[str]:
@@ -222,7 +223,7 @@ def _records(sources: list[list[Path]]) -> Iterator[tuple[int, str, object]]:
                 yield origin, where, record
 
 
-def iter_records(path: str | Sequence[str]) -> Iterator[tuple[str, object]]:
+def iter_records(path: str | Sequence[str], key: str = "data.path") -> Iterator[tuple[str, object]]:
     """``(where, record)`` for every record of every file of ``data.path``, in order.
 
     ``where`` is ``file:line`` for JSONL and JSON (``file:line:column`` for a JSON
@@ -231,7 +232,7 @@ def iter_records(path: str | Sequence[str]) -> Iterator[tuple[str, object]]:
     that could not be read (broken JSON, bad UTF-8, an empty or truncated file);
     :func:`parse_messages` raises it, so callers need one ``except BadRecord``.
     """
-    for _, where, record in _records(data_sources(path)):
+    for _, where, record in _records(data_sources(path, key)):
         yield where, record
 
 

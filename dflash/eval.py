@@ -265,11 +265,12 @@ def prompt_of(record: object) -> list[dict[str, str]]:
     return messages
 
 
-def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
+def load_prompts(path: str, max_prompts: int, key: str = "data.eval_path") -> list[list[dict[str, str]]]:
     """The first ``max_prompts`` prompts of a prompt set in any format training reads
-    (:func:`dflash.data.iter_records`); unreadable records are skipped and counted."""
+    (:func:`dflash.data.iter_records`); unreadable records are skipped and counted.
+    Errors name ``key``, the setting the path came from."""
     prompts, bad = [], []
-    for where, record in iter_records(path):
+    for where, record in iter_records(path, key):
         try:
             messages = prompt_of(record)
         except BadRecord as e:
@@ -282,7 +283,7 @@ def load_prompts(path: str, max_prompts: int) -> list[list[dict[str, str]]]:
     if bad:
         log.warning("skipped %d unreadable prompts, e.g. %s", len(bad), bad[0])
     if not prompts:
-        raise ValueError(f"no prompts in {path}")
+        raise ValueError(f"{key}={path!r} holds no prompts")
     return prompts
 
 
@@ -525,6 +526,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
+    for name, path in datasets.items():  # a wrong path fails before the target loads
+        load_prompts(path, 1, key=f"--data {name}")
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
     out = args.out or Path(args.drafter).resolve().parent / "eval.json"

@@ -82,6 +82,13 @@ def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
                             temperatures, template_kwargs(cfg))
 
 
+def check_held_out_prompts(cfg: DictConfig) -> None:
+    """Read the first held-out prompt at start, on the rank that evaluates: otherwise a
+    wrong ``data.eval_path`` fails only at the export's evaluation, after training."""
+    if cfg.eval.enabled and cfg.data.eval_path:
+        load_prompts(str(cfg.data.eval_path), 1)
+
+
 def template_kwargs(cfg: DictConfig) -> dict:
     """The chat template arguments training renders prompts with (absent for synthetic data)."""
     return dict(cfg.data.get("chat_template_kwargs") or {})

@@ -88,3 +88,10 @@ def test_a_missing_wandb_is_refused_at_start(monkeypatch):
     with pytest.raises(ValueError, match="wandb.mode=offline needs the wandb package"):
         require_wandb("offline")
     require_wandb("disabled")
+
+
+def test_a_wrong_held_out_path_is_refused_before_training(tmp_path):
+    """Read at start, not after training, when the export is evaluated."""
+    with pytest.raises(FileNotFoundError, match="data.eval_path='.*missing.jsonl' does not exist"):
+        run_colocated(tmp_path, ["eval.enabled=true", f"data.eval_path={tmp_path / 'missing.jsonl'}"])
+    assert not (tmp_path / "checkpoints").exists()
