@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from dflash.eval import evaluate_steps, load_prompts
+from dflash.eval import encode_prompt, evaluate_steps, load_prompts
 from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.protocol import Protocol
 from dflash.target import Target
@@ -82,11 +82,16 @@ def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
                             temperatures, template_kwargs(cfg))
 
 
-def check_held_out_prompts(cfg: DictConfig) -> None:
-    """Read the first held-out prompt at start, on the rank that evaluates: otherwise a
-    wrong ``data.eval_path`` fails only at the export's evaluation, after training."""
-    if cfg.eval.enabled and cfg.data.eval_path:
-        load_prompts(str(cfg.data.eval_path), 1)
+def check_held_out_prompts(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
+    """Read and encode the first held-out prompt at start, on the rank that evaluates:
+    otherwise a wrong ``data.eval_path``, or a tokenizer that cannot render it, fails
+    only at the export's evaluation, after training."""
+    if not (cfg.eval.enabled and cfg.data.eval_path):
+        return
+    if tokenizer is None:
+        raise ValueError("data.eval_path needs a tokenizer to encode its prompts and this target has none (a random "
+                         "target): set target.tokenizer (e.g. target.tokenizer=demo) or eval.enabled=false")
+    encode_prompt(tokenizer, load_prompts(str(cfg.data.eval_path), 1)[0], template_kwargs(cfg))
 
 
 def template_kwargs(cfg: DictConfig) -> dict:

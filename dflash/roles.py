@@ -26,7 +26,15 @@ from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.checkpoint import load_checkpoint, resume_candidates, save_checkpoint
 from dflash.compile import CompileGuard, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.export import save_export
-from dflash.live_eval import EvalServer, Evaluator, LocalEval, RemoteEval, live_eval_settings, template_kwargs
+from dflash.live_eval import (
+    EvalServer,
+    Evaluator,
+    LocalEval,
+    RemoteEval,
+    check_held_out_prompts,
+    live_eval_settings,
+    template_kwargs,
+)
 from dflash.metrics import MetricsLogger
 from dflash.protocol import Protocol
 from dflash.step import DrafterTrainer
@@ -181,6 +189,7 @@ def evaluate_export(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict
 def run_colocated(job: Job) -> dict:
     cfg, plan, device = job.cfg, job.plan, job.device
     side = build_target_side(job)
+    check_held_out_prompts(cfg, side.tokenizer)
     head = side.target.head()
     mask_id = resolve_mask_token_id(side.tokenizer, head.vocab_size, cfg.target.mask_token_id)
     steps = plan.total_steps(len(side.dataset))
@@ -246,6 +255,8 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     until the data ends or the drafters say training stopped."""
     cfg, plan, device = job.cfg, job.plan, job.device
     side = build_target_side(job)
+    if topo.rank == 0:
+        check_held_out_prompts(cfg, side.tokenizer)
     steps = proto.agree_steps(plan.total_steps(len(side.dataset)), side.dataset.summary())
     start = proto.agree_start(None)
     warm_in_turn(job, topo, proto, lambda: side.warm() if job.compile.target else None)

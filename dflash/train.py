@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.build import build_job, build_topology, timeouts
 from dflash.compile import assert_main_thread
 from dflash.estimate import PlanError, check_fits, estimate, format_estimate
-from dflash.live_eval import check_held_out_prompts, live_eval_settings
+from dflash.live_eval import live_eval_settings
 from dflash.metrics import require_wandb
 from dflash.protocol import Protocol
 from dflash.roles import run_colocated, run_drafter_rank, run_target_rank
@@ -68,8 +68,6 @@ def train(cfg: DictConfig) -> dict:
     require_wandb(cfg.wandb.mode)
     topo = build_topology(job)
     setup_logging(topo)
-    if topo is None or topo.rank == 0:
-        check_held_out_prompts(cfg)
     if topo is None or topo.rank == topo.metrics_rank:
         plan = estimate(job, 1 if topo is None else topo.world_size, topo.num_targets if topo else 0)
         log.info("%s", format_estimate(job, plan))

@@ -27,6 +27,15 @@ TINY = [
 ]
 
 
+# A random-weight Qwen3-shaped target, tiny, with synthetic data: no tokenizer.
+RANDOM_TARGET = [
+    "target=qwen3_8b", "target.path=random", "target.mask_token_id=255", "data=synthetic", "data.num_samples=64",
+    "target.shape.hidden_size=64", "target.shape.intermediate_size=128", "target.shape.num_hidden_layers=8",
+    "target.shape.num_attention_heads=4", "target.shape.num_key_value_heads=2", "target.shape.head_dim=16",
+    "target.shape.vocab_size=256", "train.max_len=64", "train.buckets=[64]",
+]
+
+
 def read_records(output_dir: Path) -> list[dict]:
     """Every record of ``metrics.jsonl``: steps, evaluations, the data summary."""
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]

@@ -3,7 +3,7 @@
 import json
 
 import pytest
-from runs import read_metrics, run_colocated, run_disaggregated
+from runs import RANDOM_TARGET, read_metrics, run_colocated, run_disaggregated
 
 KL = ["loss.kl_weight=0.5", "loss.kl_topk=8"]
 
@@ -45,14 +45,6 @@ def test_compiled_staggered_run_matches_eager(colocated, tmp_path):
     assert [(r["role"], r["turn"]) for r in reports] == [("target", 0), ("drafter", 0), ("drafter", 1)]
     assert all(r["graphs"] > 0 for r in reports)
     assert reports[2]["began"] >= max(reports[0]["ended"], reports[1]["ended"])
-
-
-RANDOM_TARGET = [
-    "target=qwen3_8b", "target.path=random", "target.mask_token_id=255", "data=synthetic", "data.num_samples=64",
-    "target.shape.hidden_size=64", "target.shape.intermediate_size=128", "target.shape.num_hidden_layers=8",
-    "target.shape.num_attention_heads=4", "target.shape.num_key_value_heads=2", "target.shape.head_dim=16",
-    "target.shape.vocab_size=256", "train.max_len=64", "train.buckets=[64]",
-]
 
 
 def split_matches_colocated(tmp_path, world: int, targets: int, overrides: list[str], steps: int) -> list[dict]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from runs import compose_cfg, read_metrics, read_records, run_colocated, run_disaggregated
+from runs import RANDOM_TARGET, compose_cfg, read_metrics, read_records, run_colocated, run_disaggregated
 from safetensors.torch import load_file
 
 from dflash.metrics import require_wandb
@@ -94,4 +94,10 @@ def test_a_wrong_held_out_path_is_refused_before_training(tmp_path):
     """Read at start, not after training, when the export is evaluated."""
     with pytest.raises(FileNotFoundError, match="data.eval_path='.*missing.jsonl' does not exist"):
         run_colocated(tmp_path, ["eval.enabled=true", f"data.eval_path={tmp_path / 'missing.jsonl'}"])
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_held_out_prompts_without_a_tokenizer_are_refused_before_training(tmp_path):
+    with pytest.raises(ValueError, match="data.eval_path needs a tokenizer"):
+        run_colocated(tmp_path, RANDOM_TARGET + ["eval.enabled=true", "data.eval_path=demo_heldout"])
     assert not (tmp_path / "checkpoints").exists()
