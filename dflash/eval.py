@@ -526,8 +526,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
-    for name, path in datasets.items():  # a wrong path fails before the target loads
-        load_prompts(path, 1, key=f"--data {name}")
+    for path in datasets.values():  # a wrong path fails before the target loads
+        load_prompts(path, 1, key="--data")
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
     out = args.out or Path(args.drafter).resolve().parent / "eval.json"

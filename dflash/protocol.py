@@ -63,6 +63,8 @@ BACKEND_GRACE_S = 60.0
 # The libuv TCPStore server (torch's default) drops a client that sends a value over
 # 8 MiB, so larger values (compiled artifacts) travel in chunks of this size.
 STORE_CHUNK_BYTES = 4 * 2**20
+# A failing rank's abort of its communicators is bounded by this, then the watchdog ends it.
+ABORT_S = 30.0
 
 
 AGREE_STEPS = "waiting for target rank 0 to load the target and the data"
@@ -290,10 +292,15 @@ class Protocol:
         torchrun never learns of the error and never ends the run."""
         if not dist.is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
+        try:
+            # bounded too: an abort that blocks in NCCL would hang the rank all the same
+            with self.phase("aborting this rank's communicators after an error", ABORT_S):
+                if dist.get_backend() == "nccl":
+                    dist.distributed_c10d._abort_process_group()
+                else:
+                    dist.destroy_process_group()
+        except Exception:
+            log.exception("rank %d: aborting the communicators failed; exiting with the original error", self.rank)
 
     def close(self) -> None:
         """Rank 0 leaves last: without torchrun it hosts the store that others still read."""

@@ -44,6 +44,10 @@ from dflash.transport import FLAG_ABORT, FLAG_END, BundleReceiver, BundleSender,
 
 log = logging.getLogger(__name__)
 
+# a failing target waits this long for its abort flag to reach the drafters (behind at most
+# topology.max_in_flight bundles) before it aborts its communicators
+ABORT_DELIVERY_S = 10.0
+
 Feed = Callable[[int], Iterator[tuple[MicroBatch, PrefillOutput]]]
 
 
@@ -190,6 +194,7 @@ def run_colocated(job: Job) -> dict:
     cfg, plan, device = job.cfg, job.plan, job.device
     side = build_target_side(job)
     check_held_out_prompts(cfg, side.tokenizer)
+    live = live_eval_settings(cfg)
     head = side.target.head()
     mask_id = resolve_mask_token_id(side.tokenizer, head.vocab_size, cfg.target.mask_token_id)
     steps = plan.total_steps(len(side.dataset))
@@ -214,7 +219,6 @@ def run_colocated(job: Job) -> dict:
     def feed(step: int):
         return (side.produce(m) for m in range(step * per_step, (step + 1) * per_step))
 
-    live = live_eval_settings(cfg)
     evaluator = LocalEval(Evaluator(side.target, side.tokenizer, head, trainer.drafter.config, live), steps) if live else None
     started = time.perf_counter()
     step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, evaluator=evaluator)
@@ -287,6 +291,8 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     except BaseException:
         for drafter in topo.drafter_ranks:
             sender.send_flag(drafter, -1, FLAG_ABORT)
+        if not sender.deliver(ABORT_DELIVERY_S):
+            log.warning("the abort flag did not reach every drafter within %g s", ABORT_DELIVERY_S)
         raise
     for drafter in topo.drafter_ranks:
         sender.send_flag(drafter, last, FLAG_END)

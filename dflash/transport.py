@@ -136,6 +136,21 @@ class BundleSender:
             _complete(works)
         self.in_flight.clear()
 
+    def deliver(self, timeout_s: float) -> bool:
+        """Give the sends in flight up to ``timeout_s`` to reach their drafters: an abort
+        flag, before this rank aborts its communicators and with them anything still
+        queued. False if some did not arrive (a drafter that is stuck). Only NCCL needs
+        it: gloo's orderly shutdown, which a failing rank still uses, delivers them."""
+        if self.device.type != "cuda":
+            return True
+        deadline = time.monotonic() + timeout_s
+        works = [w for pending, _ in self.in_flight for w in pending]
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-3)
+        return True
+
 
 @dataclass
 class Expected:

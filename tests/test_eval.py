@@ -222,7 +222,7 @@ def test_a_prompt_set_without_prompts_is_named_by_its_setting(tmp_path):
     (tmp_path / "broken.jsonl").write_text("{broken\n")
     with pytest.raises(ValueError, match="data.eval_path='.*broken.jsonl' holds no prompts"):
         load_prompts(str(tmp_path / "broken.jsonl"), 8)
-    with pytest.raises(FileNotFoundError, match="--data heldout='.*absent.jsonl' does not exist"):
+    with pytest.raises(FileNotFoundError, match="--data='.*absent.jsonl' does not exist"):
         main(["--target", "demo", "--drafter", str(tmp_path), "--data", f"heldout={tmp_path / 'absent.jsonl'}"])
 
 

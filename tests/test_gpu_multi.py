@@ -63,12 +63,16 @@ def _failing_worker(rank: int, port: int, out: str) -> None:
         dist.batch_isend_irecv([dist.P2POp(dist.isend, payload, 1, group=proto.pairs[(0, 1)])])
         sent.write_text("1")
         time.sleep(600)
+    deadline = time.monotonic() + 120
     while not sent.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("rank 0 never posted its send")
         time.sleep(0.05)
     try:
         raise RuntimeError("a drafter rank fails")
     except RuntimeError:
         proto.abort()  # what dflash.train does with any error
+        Path(out, "aborted").write_text("1")
         raise
 
 
@@ -84,6 +88,7 @@ def test_a_failing_rank_exits_while_its_peer_still_waits_on_it(tmp_path):
     try:
         workers[1].join(timeout=120)
         assert workers[1].exitcode not in (None, 0), "the failing rank did not exit"
+        assert Path(tmp_path, "aborted").exists(), "the failing rank exited, but not through its abort"
     finally:
         for w in workers:
             w.kill()

@@ -12,7 +12,10 @@ situations: on its first use while a send to rank 1 is pending, again while a se
 is pending, and with nothing in flight. Rank 1 posts each receive ``--delay``
 seconds after the send, so an action that takes about ``--delay`` waited for the
 receiver. ``--first idle`` runs each action's first use with nothing in flight
-instead, which gives its own cost.
+instead, which gives its own cost. A first use is the first in the process: kernels
+that two actions share (a fill, the cuBLAS handle) are paid by the earlier one, so
+``--only NAME`` runs one action per process where that matters. ``empty_cache``'s
+later rows can wait too, on the segment the NCCL barrier allocated in between.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 tools/pending_send_probe.py --out probe.json
     CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 tools/pending_send_probe.py ...
@@ -29,7 +32,6 @@ import json
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 
 def actions(device: torch.device, hidden: int, heads: int, kv_heads: int, vocab: int) -> dict[str, Callable[[], object]]:
     """Each decoding operation at its own shape, plus the driver calls suspected of
-    serialising. Every call allocates its inputs afresh, so a first use is a first use."""
+    serialising. Every call allocates its inputs afresh."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head_dim = hidden // heads
     weight = torch.randn(hidden, 3 * hidden, device=device, dtype=dtype)
@@ -48,21 +50,18 @@ def actions(device: torch.device, hidden: int, heads: int, kv_heads: int, vocab:
         return lambda: torch.randn(rows, hidden, device=device, dtype=dtype) @ weight
 
     def sdpa(queries: int, keys: int, masked: bool) -> Callable[[], object]:
+        """As transformers' ``sdpa`` attention calls it: grouped keys go to the flash
+        kernel as they are; with a mask (a block over a cache) they are repeated to every
+        head first, which takes the memory-efficient kernel."""
         def run() -> object:
             q = torch.randn(1, heads, queries, head_dim, device=device, dtype=dtype)
             k, v = (torch.randn(1, kv_heads, keys, head_dim, device=device, dtype=dtype) for _ in range(2))
-            mask = torch.ones(queries, keys, device=device, dtype=torch.bool).tril(keys - queries) if masked else None
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=not masked and queries > 1,
-                                                  enable_gqa=True)
+            if not masked:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=queries > 1, enable_gqa=True)
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+            mask = torch.ones(queries, keys, device=device, dtype=torch.bool).tril(keys - queries)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return run
-
-    def on_new_stream() -> object:
-        stream = torch.cuda.Stream() if device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream else nullcontext():
-            out = torch.randn(16, hidden, device=device, dtype=dtype) @ weight
-        if stream:
-            stream.synchronize()
-        return out
 
     return {
         "gemm_1_row": gemm(1),  # a baseline token
@@ -77,7 +76,6 @@ def actions(device: torch.device, hidden: int, heads: int, kv_heads: int, vocab:
         "argmax_over_vocab": lambda: torch.randn(16, vocab, device=device, dtype=dtype).argmax(-1),
         "kv_cache_growth_cat": lambda: torch.cat([torch.randn(1, kv_heads, 349, head_dim, device=device, dtype=dtype),
                                                   torch.randn(1, kv_heads, 16, head_dim, device=device, dtype=dtype)], 2),
-        "matmul_on_a_new_stream": on_new_stream,
         "new_allocator_segment": lambda: torch.empty(1 << 29, device=device),
         "empty_cache": lambda: torch.cuda.empty_cache() if device.type == "cuda" else None,
     }
@@ -119,6 +117,8 @@ def main() -> None:
     parser.add_argument("--delay", type=float, default=1.0, help="seconds before rank 1 posts each receive")
     parser.add_argument("--first", choices=["pending", "idle"], default="pending",
                         help="whether each action's first use has a send pending")
+    parser.add_argument("--only", help="comma-separated actions to run, e.g. one per process: a first use is "
+                        "the first in its process, so kernels two actions share are paid by the earlier one")
     parser.add_argument("--megabytes", type=int, default=126, help="size of the pending send (one Qwen3-8B bundle)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
@@ -140,7 +140,13 @@ def main() -> None:
 
     results = {}
     first_pending = args.first == "pending"
-    for name, fn in actions(device, args.hidden, args.heads, args.kv_heads, args.vocab).items():
+    chosen = actions(device, args.hidden, args.heads, args.kv_heads, args.vocab)
+    if args.only:
+        unknown = set(args.only.split(",")) - set(chosen)
+        if unknown:
+            raise SystemExit(f"unknown actions {sorted(unknown)}; known: {', '.join(chosen)}")
+        chosen = {name: chosen[name] for name in args.only.split(",")}
+    for name, fn in chosen.items():
         first = timed(rank, device, payload, fn, first_pending, args.delay)
         again = timed(rank, device, payload, fn, True, args.delay)
         idle = timed(rank, device, payload, fn, False, args.delay)
