@@ -75,9 +75,12 @@ class MetricsLogger:
 
     def _keep_until(self, step: int) -> None:
         """A fresh run starts an empty file; a resumed one drops records past its
-        checkpoint, which a crash may have left, so every step appears once."""
+        checkpoint, which a crash may have left, so every step appears once. A data
+        record of an earlier start at this same step goes too: this start writes its own."""
         lines = self.path.read_text().splitlines() if self.path.is_file() else []
-        kept = [line for line in lines if json.loads(line)["step"] <= step]
+        records = [json.loads(line) for line in lines]
+        kept = [line for line, r in zip(lines, records)
+                if r["step"] < step or (r["step"] == step and not any(k.startswith("data/") for k in r))]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def count(self, m: dict) -> None:

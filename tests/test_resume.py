@@ -1,10 +1,13 @@
 """Resume anywhere: on another split of the ranks, and past a checkpoint that cannot be read."""
 
+import json
 import logging
 import shutil
 
 import pytest
-from runs import read_metrics, run_colocated, run_disaggregated
+from runs import read_metrics, read_records, run_colocated, run_disaggregated
+
+from dflash.metrics import MetricsLogger
 
 STEPS = ["train.max_steps=8", "checkpoint.every=4", "checkpoint.keep=10"]
 
@@ -61,3 +64,14 @@ def test_a_resumed_run_continues_its_wandb_run(tmp_path):
     first = wandb_run_id(tmp_path, start_step=0)
     assert wandb_run_id(tmp_path, start_step=4) == first
     assert wandb_run_id(tmp_path, start_step=0) != first  # a fresh start is a new run
+
+
+def test_a_restart_at_the_same_step_keeps_one_data_record(tmp_path):
+    """A start that failed after writing its data record (say in the compile warmup) and
+    the restart at the same step leave one data record there, and every step record."""
+    records = [{"step": 0, "data/samples": 5}, {"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9},
+               {"step": 2, "data/samples": 5}, {"step": 3, "loss": 0.8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    MetricsLogger(tmp_path, {"mode": "disabled"}, {}, start_step=2).log_data({"samples": 5, "skipped": {}})
+    assert [(r["step"], "data/samples" in r) for r in read_records(tmp_path)] == [(0, True), (1, False), (2, False),
+                                                                                   (2, True)]
