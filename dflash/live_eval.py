@@ -82,11 +82,16 @@ def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
                             temperatures, template_kwargs(cfg))
 
 
+def evaluates_export(cfg: DictConfig) -> bool:
+    """Whether a completed run evaluates its export on the held-out prompts."""
+    return bool(cfg.eval.enabled and cfg.data.eval_path)
+
+
 def check_held_out_prompts(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
     """Read and encode the first held-out prompt at start, on the rank that evaluates:
     otherwise a wrong ``data.eval_path``, or a tokenizer that cannot render it, fails
     only at the export's evaluation, after training."""
-    if not (cfg.eval.enabled and cfg.data.eval_path):
+    if not evaluates_export(cfg):
         return
     if tokenizer is None:
         raise ValueError("data.eval_path needs a tokenizer to encode its prompts and this target has none (a random "

@@ -69,8 +69,8 @@ class MetricsLogger:
         self._acc: list[float] = []
 
     def begin(self) -> None:
-        """Start the clock of samples/s and the ETA. The logger is made before the
-        compile warmup, so that a W&B problem shows in seconds, and begins with training."""
+        """Start the clock of samples/s and the ETA when training starts: the logger is
+        opened before the compile warmup (:func:`dflash.roles.open_metrics`)."""
         self._last = self._began = time.perf_counter()
 
     def _keep_until(self, step: int) -> None:

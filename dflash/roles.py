@@ -32,6 +32,7 @@ from dflash.live_eval import (
     LocalEval,
     RemoteEval,
     check_held_out_prompts,
+    evaluates_export,
     live_eval_settings,
     template_kwargs,
 )
@@ -190,6 +191,13 @@ def evaluate_export(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict
     return report
 
 
+def open_metrics(cfg: DictConfig, start: int, enabled: bool = True) -> MetricsLogger:
+    """The metrics log of a run starting at ``start``, opened before the compile warmup
+    (and with it the W&B run), so that a logging problem ends the run in seconds."""
+    return MetricsLogger(Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb),
+                         OmegaConf.to_container(cfg, resolve=True), start, enabled)
+
+
 def run_colocated(job: Job) -> dict:
     cfg, plan, device = job.cfg, job.plan, job.device
     side = build_target_side(job)
@@ -200,9 +208,7 @@ def run_colocated(job: Job) -> dict:
     steps = plan.total_steps(len(side.dataset))
     trainer = build_trainer(job, head, mask_id, steps)
     start = resume_step(cfg, trainer)
-    metrics = MetricsLogger(
-        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start
-    )
+    metrics = open_metrics(cfg, start)
     metrics.log_data(side.dataset.summary())
 
     def warm() -> None:
@@ -228,7 +234,7 @@ def run_colocated(job: Job) -> dict:
     }
     if step == steps:
         export_dir = export_drafter(cfg, trainer, device)
-        if cfg.eval.enabled and cfg.data.eval_path:
+        if evaluates_export(cfg):
             report = evaluate_export(cfg, side, export_dir)
             summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     metrics.close(summary)
@@ -306,7 +312,7 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     if server:
         summary["eval_s"] = round(server.eval_s, 2)
     record_ranks(cfg, proto, summary, device)
-    if topo.rank == 0 and final_step == steps and cfg.eval.enabled and cfg.data.eval_path:
+    if topo.rank == 0 and final_step == steps and evaluates_export(cfg):
         report = evaluate_export(cfg, side, Path(cfg.output_dir) / "export")
         summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     return summary
@@ -323,9 +329,7 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
         resumed = resume_step(cfg, trainer, proto.drafters)
     start = proto.agree_start(resumed)
     is_metrics = topo.rank == topo.metrics_rank
-    metrics = MetricsLogger(
-        Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb), OmegaConf.to_container(cfg, resolve=True), start, is_metrics
-    )
+    metrics = open_metrics(cfg, start, is_metrics)
     if is_metrics:
         metrics.log_data(proto.data_summary())
     warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))
