@@ -461,7 +461,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1, help="drafter micro-batches per optimizer step")
     parser.add_argument("--checkpoint", metavar="DIR", help="also time a checkpoint save and load under DIR")
     parser.add_argument("--out", default="bench.json")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = ["wandb.mode=disabled", *args.overrides]
     if args.p2p:

@@ -134,7 +134,7 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -
     return tokens[:max_new_tokens]
 
 
-def run_to_end(steps: Generator[None, None, T]) -> T:
+def run_to_end(steps: Generator[str, None, T]) -> T:
     """Drive a sliced computation (below) to its end and return its result."""
     while True:
         try:
@@ -154,9 +154,9 @@ def speculative_steps(
     eos_ids: Collection[int] = (),
     generator: torch.Generator | None = None,
     block_size: int | None = None,
-) -> Generator[None, None, tuple[list[int], list[int]]]:
+) -> Generator[str, None, tuple[list[int], list[int]]]:
     """Generate from ``prompt_ids`` ``[1, S]``, pausing after the prompt's prefill and
-    after every drafting cycle;
+    after every drafting cycle (each pause yields what ran before it);
     returns (new tokens, acceptance length per cycle). The pauses let a target rank
     run an evaluation in the gaps between its training work (:mod:`dflash.live_eval`).
 
@@ -173,7 +173,7 @@ def speculative_steps(
     features = context_features(out.hidden_states, cfg.target_layer_ids)
     new = sample(out.logits[0, -1:], temperature, generator).tolist()
     tokens, lengths = list(new), []
-    yield  # the prompt's prefill is a slice of its own
+    yield "prompt prefill"  # a slice of its own
     while len(tokens) < max_new_tokens and not any(t in eos_ids for t in new):
         p = features.shape[1]
         block = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=device)
@@ -195,7 +195,7 @@ def speculative_steps(
         new = drafts[:n].tolist() + [bonus]
         tokens += new
         lengths.append(n + 1)
-        yield
+        yield "drafting cycle"
     return truncate(tokens, max_new_tokens, eos_ids), lengths
 
 
@@ -207,20 +207,20 @@ def speculative_generate(*args, **kwargs) -> tuple[list[int], list[int]]:
 @torch.inference_mode()
 def greedy_steps(
     target_model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, eos_ids: Collection[int] = ()
-) -> Generator[None, None, list[int]]:
+) -> Generator[str, None, list[int]]:
     """Plain one-token-at-a-time greedy decoding, the reference ``lossless`` is judged
     against; pauses after every token."""
     cache = DynamicCache(config=target_model.config)
     logits = with_cache(target_model, cache, input_ids=prompt_ids, logits_to_keep=1).logits
     tokens: list[int] = []
-    yield
+    yield "baseline prefill"
     while True:
         tokens.append(int(logits[0, -1].argmax()))
         if len(tokens) >= max_new_tokens or tokens[-1] in eos_ids:
             return tokens
         step = torch.tensor([[tokens[-1]]], device=prompt_ids.device)
         logits = with_cache(target_model, cache, input_ids=step).logits
-        yield
+        yield "baseline token"
 
 
 def greedy_generate(*args, **kwargs) -> list[int]:
@@ -345,7 +345,7 @@ def evaluate_steps(
     block_size: int | None = None,
     template_kwargs: Mapping | None = None,
     greedy_outputs: dict[int, list[int]] | None = None,
-) -> Generator[None, None, dict]:
+) -> Generator[str, None, dict]:
     """Speculative decoding over ``prompts``; at temperature 0 also the lossless check.
     Pauses after every prompt's prefill, drafting cycle, baseline token and divergence
     measure (``wall_s`` then includes whatever ran in the pauses).
@@ -391,7 +391,7 @@ def evaluate_steps(
         for k, (ids, greedy, speculative) in enumerate(zip(encoded, baseline, outputs)):
             if greedy != speculative:
                 divergences.append({"prompt": k, **divergence(target_model, ids, greedy, speculative)})
-                yield
+                yield "divergence measure"
 
     cycles = [n for a in acceptance for n in a]
     return {

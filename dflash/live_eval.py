@@ -27,6 +27,7 @@ counted, never queued.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -37,12 +38,14 @@ from omegaconf import DictConfig
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from dflash.eval import encode_prompt, evaluate_steps, load_prompts
+from dflash.eval import encode_prompt, evaluate_steps, load_prompts, run_to_end
 from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.protocol import Protocol
 from dflash.target import Target
 
 log = logging.getLogger(__name__)
+
+SLOW_SLICE_MS = 250.0  # a slice this long holds up the target's next prefill: each is logged
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,23 @@ def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
     temperatures = (0.0,) if temperature is None else (0.0, float(temperature))
     return LiveEvalSettings(every, str(cfg.data.eval_path), int(cfg.eval.max_prompts), int(cfg.eval.max_new_tokens),
                             temperatures, template_kwargs(cfg))
+
+
+def load_kernels_at_start(cfg: DictConfig) -> None:
+    """On target rank 0 of a run that evaluates while training, have CUDA load every
+    kernel when the process starts (``CUDA_MODULE_LOADING=EAGER``), not at its first
+    launch; must run before CUDA initialises. A value already set is kept.
+
+    A kernel's first launch waits for every send in flight, and target rank 0 evaluates
+    while its bundles wait for a drafter: on two H200s the first evaluation's drafting
+    cycles, loading kernels at trained weights' shapes that :meth:`Evaluator.warm` had
+    not reached, held the target for up to 1.4 s and the drafters waited up to 1.1 s.
+    Eagerly loaded, with the warm-up, no slice took over 0.37 s and the drafters did not
+    wait. The price is at start: 1.2 s more to create the context and 0.6 GiB more
+    device memory on that one rank."""
+    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    if world > 1 and rank == 0 and eval_every(cfg) > 0 and not cfg.get("dry_run"):
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 
 def evaluates_export(cfg: DictConfig) -> bool:
@@ -123,7 +143,8 @@ class Evaluator:
         with torch.device(weight.device):  # its weights arrive with each evaluation: no host init of 1B parameters
             drafter = DFlashDrafter(config)
         self.drafter = drafter.to(weight.dtype).eval().requires_grad_(False)
-        self.job: Generator[None, None, dict] | None = None
+        self.job: Generator[str, None, dict] | None = None
+        self.last_slice = ""  # what the latest slice ran
         self.step = 0
         self.began = 0.0
         self.greedy: dict[int, list[int]] = {}  # the frozen target's plain greedy outputs, decoded once
@@ -142,15 +163,37 @@ class Evaluator:
         torch.nn.utils.vector_to_parameters(flat, self.drafter.parameters())
         self.step, self.began, self.job = step, time.perf_counter(), self._run()
 
-    def _run(self) -> Generator[None, None, dict]:
+    def _run(self) -> Generator[str, None, dict]:
+        results = yield from self._decode(self.settings.max_new_tokens, self.greedy)
+        return eval_record(self.step, results, time.perf_counter() - self.began)
+
+    def _decode(self, max_new_tokens: int, greedy: dict[int, list[int]]) -> Generator[str, None, list[dict]]:
+        """Every held-out prompt at every temperature, up to ``max_new_tokens`` each."""
         s = self.settings
         results = []
         for t in s.temperatures:
             results.append((yield from evaluate_steps(
-                self.target.model, self.tokenizer, self.drafter, self.head, self.prompts, s.max_new_tokens, t,
-                template_kwargs=s.template_kwargs, greedy_outputs=self.greedy,
+                self.target.model, self.tokenizer, self.drafter, self.head, self.prompts, max_new_tokens, t,
+                template_kwargs=s.template_kwargs, greedy_outputs=greedy,
             )))
-        return eval_record(self.step, results, time.perf_counter() - self.began)
+        return results
+
+    def warm(self) -> float:
+        """Decode every held-out prompt for two tokens, with whatever weights the copy
+        holds, before any bundle is in flight; returns the seconds it took.
+
+        On a GPU the first launch of a kernel (lazily loaded) and a library's first use
+        at a new shape wait for every send in flight, and a target rank's sends stay in
+        flight until a drafter takes them: each such first use cost about 1 s on two
+        H200s (``tools/pending_send_probe.py``). An evaluation's eager decoding runs
+        kernels that training never does, so the first evaluation stalled the drafters
+        for up to 1.5 s. The prefills here are the shapes every evaluation runs, and one
+        drafting cycle and one baseline token per prompt cover key lengths of every
+        alignment. The plain greedy outputs this decodes are cut short: not kept."""
+        began = time.perf_counter()
+        with self.target.eager():
+            run_to_end(self._decode(2, {}))
+        return time.perf_counter() - began
 
     def advance(self) -> dict | None:
         """One slice of the running evaluation, on the eager target (decoding shapes change
@@ -158,9 +201,9 @@ class Evaluator:
         record when the evaluation ends."""
         with self.target.eager():
             try:
-                next(self.job)
+                self.last_slice = next(self.job)
             except StopIteration as done:
-                self.job = None
+                self.job, self.last_slice = None, "the record"
                 return done.value
         return None
 
@@ -291,8 +334,16 @@ class EvalServer:
         self.proto, self.evaluator, self.sliced = proto, evaluator, sliced
         self.handled = 0
         self.eval_s = 0.0
+        self.warm_s = 0.0
         self.slice_max_ms = 0.0  # the running evaluation's longest slice: the most it delayed a prefill
+        self.slice_max_at = ""  # and what ran in it
         self.interrupted = False  # SIGTERM: decode nothing more
+
+    def warm(self) -> None:
+        """Before the first bundle: :meth:`Evaluator.warm`."""
+        self.warm_s = self.evaluator.warm()
+        log.info("evaluation warm-up: %d held-out prompts decoded in %.1f s (CUDA module loading: %s)",
+                 len(self.evaluator.prompts), self.warm_s, os.environ.get("CUDA_MODULE_LOADING", "default"))
 
     def interrupt(self) -> None:
         """From the SIGTERM handler: only a flag; the running evaluation is dropped at
@@ -321,7 +372,7 @@ class EvalServer:
         dist.recv(flat, src=self.proto.topo.metrics_rank, group=self.proto.eval_link)
         self.handled = step
         self.evaluator.start(step, flat)
-        self.slice_max_ms = 0.0
+        self.slice_max_ms, self.slice_max_at = 0.0, ""
 
     def idle(self) -> bool:
         """One slice while the target would wait; False when there is nothing to do
@@ -334,8 +385,14 @@ class EvalServer:
         record = self.evaluator.advance()
         seconds = time.perf_counter() - began
         self.eval_s += seconds
-        self.slice_max_ms = max(self.slice_max_ms, 1e3 * seconds)
+        if 1e3 * seconds > SLOW_SLICE_MS:
+            log.info("evaluation of step %d: a %s took %.0f ms", self.evaluator.step, self.evaluator.last_slice,
+                     1e3 * seconds)
+        if 1e3 * seconds > self.slice_max_ms:
+            self.slice_max_ms, self.slice_max_at = 1e3 * seconds, self.evaluator.last_slice
         if record is not None:
+            log.info("evaluation of step %d done in %.1f s; its longest slice, a %s, took %.0f ms", record["step"],
+                     record["eval/s"], self.slice_max_at, self.slice_max_ms)
             record["eval/slice_max_ms"] = round(self.slice_max_ms, 2)
             self.proto.post_eval_result(record)
         return True

@@ -269,10 +269,10 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
         check_held_out_prompts(cfg, side.tokenizer)
     steps = proto.agree_steps(plan.total_steps(len(side.dataset)), side.dataset.summary())
     start = proto.agree_start(None)
-    warm_in_turn(job, topo, proto, lambda: side.warm() if job.compile.target else None)
+    server = eval_server(job, topo, proto, side)
+    warm_in_turn(job, topo, proto, lambda: warm_target_rank(job, side, server))
     guard = CompileGuard(job.compile.strict)
     guard.arm()
-    server = eval_server(job, topo, proto, side)
     sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, cfg.topology.max_in_flight,
                           server.idle if server and server.sliced else None)
     first, last = start * plan.micro_per_step, steps * plan.micro_per_step
@@ -310,12 +310,21 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     proto.export_written()
     summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
     if server:
-        summary["eval_s"] = round(server.eval_s, 2)
+        summary.update(eval_s=round(server.eval_s, 2), eval_warm_s=round(server.warm_s, 2))
     record_ranks(cfg, proto, summary, device)
     if topo.rank == 0 and final_step == steps and evaluates_export(cfg):
         report = evaluate_export(cfg, side, Path(cfg.output_dir) / "export")
         summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     return summary
+
+
+def warm_target_rank(job: Job, side: TargetSide, server: EvalServer | None) -> None:
+    """Compile the prefill; on target rank 0 with evaluations while training, also run
+    the evaluation's decoding once, while no bundle is in flight (``Evaluator.warm``)."""
+    if job.compile.target:
+        side.warm()
+    if server:
+        server.warm()
 
 
 def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.build import build_job, build_topology, timeouts
 from dflash.compile import assert_main_thread
 from dflash.estimate import PlanError, check_fits, estimate, format_estimate
-from dflash.live_eval import live_eval_settings
+from dflash.live_eval import live_eval_settings, load_kernels_at_start
 from dflash.metrics import require_wandb
 from dflash.protocol import Protocol
 from dflash.roles import run_colocated, run_drafter_rank, run_target_rank
@@ -62,6 +62,7 @@ def dry_run(cfg: DictConfig, job) -> dict:
 def train(cfg: DictConfig) -> dict:
     """Run this process's role to the end; returns its summary."""
     assert_main_thread()
+    load_kernels_at_start(cfg)  # before build_job initialises CUDA
     job = build_job(cfg)
     if cfg.dry_run:
         return dry_run(cfg, job)
