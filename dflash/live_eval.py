@@ -85,23 +85,6 @@ def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
                             temperatures, template_kwargs(cfg))
 
 
-def load_kernels_at_start(cfg: DictConfig) -> None:
-    """On target rank 0 of a run that evaluates while training, have CUDA load every
-    kernel when the process starts (``CUDA_MODULE_LOADING=EAGER``), not at its first
-    launch; must run before CUDA initialises. A value already set is kept.
-
-    A kernel's first launch waits for every send in flight, and target rank 0 evaluates
-    while its bundles wait for a drafter: on two H200s the first evaluation's drafting
-    cycles, loading kernels at trained weights' shapes that :meth:`Evaluator.warm` had
-    not reached, held the target for up to 1.4 s and the drafters waited up to 1.1 s.
-    Eagerly loaded, with the warm-up, no slice took over 0.37 s and the drafters did not
-    wait. The price is at start: 1.2 s more to create the context and 0.6 GiB more
-    device memory on that one rank."""
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
-    if world > 1 and rank == 0 and eval_every(cfg) > 0 and not cfg.get("dry_run"):
-        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
-
 def evaluates_export(cfg: DictConfig) -> bool:
     """Whether a completed run evaluates its export on the held-out prompts."""
     return bool(cfg.eval.enabled and cfg.data.eval_path)

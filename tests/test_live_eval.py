@@ -3,7 +3,6 @@ checkpoint of the same step, colocated and disaggregated."""
 
 import json
 import logging
-import os
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from runs import compose_cfg, read_records, run_colocated, run_disaggregated
 
 from dflash.eval import main as eval_main
 from dflash.export import load_export, save_export
-from dflash.live_eval import RemoteEval, flat_weights, live_eval_settings, load_kernels_at_start
+from dflash.live_eval import RemoteEval, flat_weights, live_eval_settings
 from dflash.metrics import MetricsLogger
 from dflash.protocol import Timeouts
 
@@ -127,20 +126,3 @@ def test_an_evaluation_budget_below_one_is_refused_at_start():
     with pytest.raises(ValueError, match="eval.max_new_tokens=0 must be at least 1"):
         live_eval_settings(cfg)
 
-
-@pytest.mark.parametrize("world, rank, every, preset, want", [
-    ("2", "0", 5, None, "EAGER"),  # target rank 0 evaluating beside its sends
-    ("2", "1", 5, None, None),  # a drafter rank
-    ("2", "0", 0, None, None),  # no evaluation while training
-    ("1", "0", 5, None, None),  # colocated: nothing in flight while it evaluates
-    ("2", "0", 5, "LAZY", "LAZY"),  # the user's choice stands
-])
-def test_target_rank_0_loads_its_kernels_at_start_when_it_evaluates(monkeypatch, world, rank, every, preset, want):
-    monkeypatch.setenv("WORLD_SIZE", world)
-    monkeypatch.setenv("RANK", rank)
-    if preset:
-        monkeypatch.setenv("CUDA_MODULE_LOADING", preset)
-    else:
-        monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
-    load_kernels_at_start(compose_cfg([f"eval.every={every}", "data.eval_path=demo_heldout"]))
-    assert os.environ.get("CUDA_MODULE_LOADING") == want
