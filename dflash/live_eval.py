@@ -27,7 +27,6 @@ counted, never queued.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -172,7 +171,9 @@ class Evaluator:
         kernels that training never does, so the first evaluation stalled the drafters
         for up to 1.5 s. The prefills here are the shapes every evaluation runs, and one
         drafting cycle and one baseline token per prompt cover key lengths of every
-        alignment. The plain greedy outputs this decodes are cut short: not kept."""
+        alignment. It does not cover everything: two drafting cycles of the first
+        evaluation still held the target for 0.85-1.36 s (BENCHMARKS.md). The plain
+        greedy outputs this decodes are cut short: not kept."""
         began = time.perf_counter()
         with self.target.eager():
             run_to_end(self._decode(2, {}))
@@ -325,8 +326,7 @@ class EvalServer:
     def warm(self) -> None:
         """Before the first bundle: :meth:`Evaluator.warm`."""
         self.warm_s = self.evaluator.warm()
-        log.info("evaluation warm-up: %d held-out prompts decoded in %.1f s (CUDA module loading: %s)",
-                 len(self.evaluator.prompts), self.warm_s, os.environ.get("CUDA_MODULE_LOADING", "default"))
+        log.info("evaluation warm-up: %d held-out prompts decoded in %.1f s", len(self.evaluator.prompts), self.warm_s)
 
     def interrupt(self) -> None:
         """From the SIGTERM handler: only a flag; the running evaluation is dropped at

@@ -16,17 +16,8 @@ parts, :mod:`dflash.roles` runs them.
 
 from __future__ import annotations
 
-import os
-
-if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-    # Before anything initialises CUDA: every rank loads all its kernels at start.
-    # Loaded lazily, a kernel's first launch waits for every point-to-point transfer in
-    # flight, and those wait for the peer: target rank 0's first evaluation while
-    # training, with its bundles in flight, stalled the drafters for up to 1.1 s on two
-    # H200s, and none with eager loading. The cost: about 1.2 s and 0.6 GiB per rank.
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
