@@ -28,8 +28,8 @@ sends do not wait for their receiver: a check that the tool runs, nothing more.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
-import os
 import time
 from collections.abc import Callable
 
@@ -79,6 +79,19 @@ def actions(device: torch.device, hidden: int, heads: int, kv_heads: int, vocab:
         "new_allocator_segment": lambda: torch.empty(1 << 29, device=device),
         "empty_cache": lambda: torch.cuda.empty_cache() if device.type == "cuda" else None,
     }
+
+
+def driver_loading_mode() -> str | None:
+    """The module loading the driver actually uses (``CUDA_MODULE_LOADING`` counts only
+    if set before CUDA starts); ``None`` without a CUDA driver."""
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    mode = ctypes.c_int()
+    if driver.cuModuleGetLoadingMode(ctypes.byref(mode)) != 0:
+        return None
+    return {1: "EAGER", 2: "LAZY"}.get(mode.value, str(mode.value))
 
 
 def sync(device: torch.device) -> None:
@@ -153,7 +166,7 @@ def main() -> None:
         results[name] = {f"first ({args.first})": first, "again (pending)": again, "idle": idle}
     if rank == 0:
         report = {"backend": dist.get_backend(), "delay_s": args.delay, "context_s": round(context_s, 2),
-                  "module_loading": os.environ.get("CUDA_MODULE_LOADING"), "seconds": results}
+                  "module_loading": driver_loading_mode(), "seconds": results}
         print(json.dumps(report, indent=1))
         if args.out:
             with open(args.out, "w") as f:
