@@ -187,7 +187,7 @@ class Evaluator:
             try:
                 self.last_slice = next(self.job)
             except StopIteration as done:
-                self.job, self.last_slice = None, "the record"
+                self.job, self.last_slice = None, "wrap-up"
                 return done.value
         return None
 
@@ -369,12 +369,12 @@ class EvalServer:
         seconds = time.perf_counter() - began
         self.eval_s += seconds
         if 1e3 * seconds > SLOW_SLICE_MS:
-            log.info("evaluation of step %d: a %s took %.0f ms", self.evaluator.step, self.evaluator.last_slice,
+            log.info("evaluation of step %d: a slice (%s) took %.0f ms", self.evaluator.step, self.evaluator.last_slice,
                      1e3 * seconds)
         if 1e3 * seconds > self.slice_max_ms:
             self.slice_max_ms, self.slice_max_at = 1e3 * seconds, self.evaluator.last_slice
         if record is not None:
-            log.info("evaluation of step %d done in %.1f s; its longest slice, a %s, took %.0f ms", record["step"],
+            log.info("evaluation of step %d done in %.1f s; its longest slice (%s) took %.0f ms", record["step"],
                      record["eval/s"], self.slice_max_at, self.slice_max_ms)
             record["eval/slice_max_ms"] = round(self.slice_max_ms, 2)
             self.proto.post_eval_result(record)

@@ -125,4 +125,3 @@ def test_an_evaluation_budget_below_one_is_refused_at_start():
     cfg = compose_cfg(["eval.every=5", "eval.max_new_tokens=0"])
     with pytest.raises(ValueError, match="eval.max_new_tokens=0 must be at least 1"):
         live_eval_settings(cfg)
-
