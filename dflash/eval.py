@@ -53,6 +53,7 @@ from typing import TypeVar
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from dflash.data import BadRecord, conversation_turns, iter_records, parse_turn
@@ -134,13 +135,30 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -
     return tokens[:max_new_tokens]
 
 
+def decoding_attention():
+    """The attention kernels decoding may use: every SDPA backend but cuDNN's.
+
+    cuDNN attention, SDPA's first choice on an H200 for a masked or causal call, builds
+    an execution plan for each new shape, and decoding gives every call a new key
+    length. That cost 43-98 ms of host time per new length on an idle H200, and about
+    1 s for some lengths (BENCHMARKS.md); flash and memory-efficient attention take
+    0.2-0.6 ms at a new length. In a target rank's evaluation slice, the 1 s builds
+    held back its next bundle. Training's prefill is not affected: it runs outside this
+    context, at a few fixed shapes.
+
+    The backend flags are process-wide, so a sliced decoding enters this around each
+    slice, never across a pause."""
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def run_to_end(steps: Generator[str, None, T]) -> T:
-    """Drive a sliced computation (below) to its end and return its result."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    """Drive a sliced decoding (below) to its end and return its result."""
+    with decoding_attention():
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
 
 
 @torch.inference_mode()

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from dflash.eval import encode_prompt, evaluate_steps, load_prompts, run_to_end
+from dflash.eval import decoding_attention, encode_prompt, evaluate_steps, load_prompts, run_to_end
 from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.protocol import Protocol
 from dflash.target import Target
@@ -168,12 +168,12 @@ class Evaluator:
         at a new shape wait for every send in flight, and a target rank's sends stay in
         flight until a drafter takes them: each such first use cost about 1 s on two
         H200s (``tools/pending_send_probe.py``). An evaluation's eager decoding runs
-        kernels that training never does, so the first evaluation stalled the drafters
-        for up to 1.5 s. The prefills here are the shapes every evaluation runs, and one
-        drafting cycle and one baseline token per prompt cover key lengths of every
-        alignment. It does not cover everything: two drafting cycles of the first
-        evaluation still held the target for 0.85-1.36 s (BENCHMARKS.md). The plain
-        greedy outputs this decodes are cut short: not kept."""
+        kernels that training never does; here they are loaded while nothing is in
+        flight. The prefills are the shapes every evaluation runs, and one drafting
+        cycle and one baseline token per prompt load the attention and GEMM kernels of
+        the cycles. Attention plans per key length are what it cannot cover; decoding
+        avoids them (:func:`dflash.eval.decoding_attention`). The plain greedy outputs
+        this decodes are cut short: not kept."""
         began = time.perf_counter()
         with self.target.eager():
             run_to_end(self._decode(2, {}))
@@ -183,7 +183,7 @@ class Evaluator:
         """One slice of the running evaluation, on the eager target (decoding shapes change
         every call; the compiled prefill layers are kept for training). Returns the
         record when the evaluation ends."""
-        with self.target.eager():
+        with self.target.eager(), decoding_attention():
             try:
                 self.last_slice = next(self.job)
             except StopIteration as done:

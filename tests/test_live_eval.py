@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import tiny_drafter
+from conftest import tiny_drafter, tiny_target, word_tokenizer
 from runs import compose_cfg, read_records, run_colocated, run_disaggregated
 
 from dflash.eval import main as eval_main
 from dflash.export import load_export, save_export
-from dflash.live_eval import RemoteEval, flat_weights, live_eval_settings
+from dflash.live_eval import Evaluator, LiveEvalSettings, RemoteEval, flat_weights, live_eval_settings
 from dflash.metrics import MetricsLogger
+from dflash.model import TargetHead
 from dflash.protocol import Timeouts
+from dflash.target import Target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,3 +127,30 @@ def test_an_evaluation_budget_below_one_is_refused_at_start():
     cfg = compose_cfg(["eval.every=5", "eval.max_new_tokens=0"])
     with pytest.raises(ValueError, match="eval.max_new_tokens=0 must be at least 1"):
         live_eval_settings(cfg)
+
+
+def test_evaluation_slices_decode_without_cudnn_attention_and_leave_the_choice_to_training(tmp_path):
+    """cuDNN attention builds a plan per new key length (up to about 1 s on an H200) and
+    decoding gives every call a new one: every forward of an evaluation, warm-up and
+    slices, runs with it off, and between slices, where the target's training prefills
+    run, the process-wide choice is back as it was."""
+    (tmp_path / "heldout.jsonl").write_text("".join(
+        json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1} w{i + 2}"}]}) + "\n" for i in range(3)))
+    model = tiny_target()
+    drafter = tiny_drafter()
+    settings = LiveEvalSettings(5, str(tmp_path / "heldout.jsonl"), max_prompts=3, max_new_tokens=6,
+                                temperatures=(0.0,), template_kwargs={})
+    evaluator = Evaluator(Target(model, [1, 2, 3]), word_tokenizer(), TargetHead.of(model), drafter.config, settings)
+    cudnn_during = []
+    model.register_forward_pre_hook(lambda *_: cudnn_during.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+    evaluator.warm()
+    warm_forwards = len(cudnn_during)
+    evaluator.start(5, flat_weights(drafter, torch.float32))
+    slices = 0
+    while evaluator.advance() is None:
+        slices += 1
+        assert torch.backends.cuda.cudnn_sdp_enabled(), "the choice leaked out of a slice"
+    assert warm_forwards > 0 and slices > 3 and len(cudnn_during) > warm_forwards
+    assert not any(cudnn_during)
