@@ -9,6 +9,7 @@ from dflash.bench import bench_job, format_report, run_bench, run_p2p, run_warmu
 from dflash.build import drafter_config
 from dflash.estimate import drafter_flops
 from dflash.model import DFlashDrafter
+from dflash.step import DrafterTrainer
 
 TINY = ["wandb.mode=disabled", "train.micro_batch_size=2", "train.num_anchors=4", "train.max_len=64",
         "train.buckets=[64]", "drafter.num_layers=1", "compile.backend=aot_eager"]
@@ -40,6 +41,24 @@ def test_bench_reports_every_role(tmp_path):
     assert sum("step_ms" in r for r in report["rows"]) == 5
     json.dumps(report)
     assert "mfu_pct" in format_report(report)
+
+
+def test_every_timed_row_amortises_the_optimizer_over_the_accumulation(monkeypatch):
+    """The drafter and colocated rows both run ``accumulation`` micro-batches per optimizer
+    step, as training does (a colocated row that stepped after every micro-batch charged
+    each sample a whole AdamW step over 1B parameters)."""
+    calls = {"micro_step": 0, "finish": 0}
+    for name in calls:
+        original = getattr(DrafterTrainer, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(DrafterTrainer, name, counted)
+    report = run_bench(bench_job(TINY), steps=1, peak_tflops=790.0, modes=["eager"], accumulation=3)
+    assert {r["role"] for r in report["rows"]} == {"target", "drafter", "colocated"}
+    assert calls["finish"] > 2 and calls["micro_step"] == 3 * calls["finish"]
 
 
 def test_warmup_bench_staggers_two_processes():
