@@ -138,13 +138,13 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -
 def decoding_attention():
     """The attention kernels decoding may use: every SDPA backend but cuDNN's.
 
-    cuDNN attention, SDPA's first choice on an H200 for a masked or causal call, builds
-    an execution plan for each new shape, and decoding gives every call a new key
-    length. That cost 43-98 ms of host time per new length on an idle H200, and about
-    1 s for some lengths (BENCHMARKS.md); flash and memory-efficient attention take
-    0.2-0.6 ms at a new length. In a target rank's evaluation slice, the 1 s builds
-    held back its next bundle. Training's prefill is not affected: it runs outside this
-    context, at a few fixed shapes.
+    cuDNN attention, SDPA's first choice on an H200 for a verification's masked call,
+    builds an execution plan for each new shape, and decoding gives every call a new
+    key length. That cost 43-98 ms of host time per new length on an idle H200, and
+    about 1 s for some lengths (BENCHMARKS.md); flash and memory-efficient attention
+    take 0.2-0.6 ms at a new length. In a target rank's evaluation slice, the 1 s builds
+    held back its next bundle. Speculative decoding here and regeneration's ``generate``
+    run under it; training's prefill does not: it runs at a few fixed shapes.
 
     The backend flags are process-wide, so a sliced decoding enters this around each
     slice, never across a pause."""

@@ -56,7 +56,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from dflash.build import compose_config, pick_device, target_source
 from dflash.data import BadRecord, conversation_turns, iter_records, parse_turn
-from dflash.eval import encode_prompt, stop_ids
+from dflash.eval import decoding_attention, encode_prompt, stop_ids
 from dflash.roles import peak_memory_gib
 from dflash.target import RANDOM, TargetSource
 
@@ -435,8 +435,9 @@ class LocalTarget:
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         torch.manual_seed(seed)
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=self.config)
+        with decoding_attention():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=self.config)
         return [self.reply(row) for row in out[:, width:].tolist()]
 
     def reply(self, tokens: list[int]) -> Reply:
@@ -702,7 +703,7 @@ def bench(cfg: DictConfig, prompts: int, batch_size: int, prompt_len: int, sampl
 
     def run(batch: torch.Tensor, config: GenerationConfig) -> int:
         batch = batch.to(device)
-        with torch.inference_mode():
+        with torch.inference_mode(), decoding_attention():
             out = model.generate(input_ids=batch, attention_mask=torch.ones_like(batch), generation_config=config)
         return out[:, batch.shape[1] :].numel()
 

@@ -219,3 +219,17 @@ def test_bench_generates_exactly_the_new_tokens(tmp_path):
                    "--out", str(tmp_path / "bench.json")])
     assert report["generated_tokens"] == 18 and report["tokens_per_s"] > 0
     assert json.loads((tmp_path / "bench.json").read_text())["batch_size"] == 2
+
+
+def test_generation_runs_without_cudnn_attention_and_restores_the_choice():
+    """Every decoding step has a new key length, and cuDNN attention builds a plan for
+    each (``dflash.eval.decoding_attention``): ``generate`` runs with it off, and the
+    process-wide choice is back afterwards."""
+    model, tokenizer = TargetSource("demo").load(torch.device("cpu"), torch.float32)
+    local = LocalTarget(model, tokenizer, Sampling(max_new_tokens=4, temperature=0))
+    cudnn_during = []
+    model.register_forward_pre_hook(lambda *_: cudnn_during.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    prompts = [local.encode([{"role": "user", "content": text}]) for text in ("1 2 3", "4 5")]
+    assert len(local.generate(prompts, seed=0)) == 2
+    assert cudnn_during and not any(cudnn_during)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
