@@ -461,7 +461,8 @@ def main() -> None:
     parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
     parser.add_argument("--p2p", action="store_true", help="measure bundle bandwidth between two local ranks instead")
     parser.add_argument("--profile", choices=list(MODES), help="also profile the drafter step of this mode")
-    parser.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step in the drafter and colocated rows")
+    parser.add_argument("--accumulation", type=int, default=1,
+                        help="micro-batches per optimizer step in the drafter and colocated rows")
     parser.add_argument("--checkpoint", metavar="DIR", help="also time a checkpoint save and load under DIR")
     parser.add_argument("--out", default="bench.json")
     args = parser.parse_intermixed_args()

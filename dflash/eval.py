@@ -48,6 +48,7 @@ import json
 import logging
 import time
 from collections.abc import Collection, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TypeVar
 
@@ -135,7 +136,7 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -
     return tokens[:max_new_tokens]
 
 
-def decoding_attention():
+def decoding_attention() -> AbstractContextManager[None]:
     """The attention kernels decoding may use: every SDPA backend but cuDNN's.
 
     cuDNN attention, SDPA's first choice on an H200 for a verification's masked call,
