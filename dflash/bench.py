@@ -320,13 +320,9 @@ def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], turns
     turn = warmup_turn(rank == 0, rank, turns)
     share_compile_threads(sum(warmup_turn(r == 0, r, turns) == turn for r in range(world)))
 
-    def receive() -> bytes:
-        store.wait([f"{ARTIFACTS_KEY}/chunks"])
-        return get_bytes(store, ARTIFACTS_KEY)
-
     report = staggered_warmup(
         lambda: warm_drafter(job.plan, trainer, job.dtype), turn, turns, lambda _: dist.barrier(),
-        receive if turns > 1 and turn > 0 else None,
+        (lambda: get_bytes(store, ARTIFACTS_KEY)) if turns > 1 and turn > 0 else None,  # the get waits for rank 0
         (lambda data: put_bytes(store, ARTIFACTS_KEY, data)) if turns > 1 and rank == 0 else None,
     )
     Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"rank": rank, **report}))

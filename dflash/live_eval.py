@@ -368,11 +368,11 @@ class EvalServer:
         record = self.evaluator.advance()
         seconds = time.perf_counter() - began
         self.eval_s += seconds
-        if 1e3 * seconds > SLOW_SLICE_MS:
-            log.info("evaluation of step %d: a slice (%s) took %.0f ms", self.evaluator.step, self.evaluator.last_slice,
-                     1e3 * seconds)
-        if 1e3 * seconds > self.slice_max_ms:
-            self.slice_max_ms, self.slice_max_at = 1e3 * seconds, self.evaluator.last_slice
+        ms = 1e3 * seconds
+        if ms > SLOW_SLICE_MS:
+            log.info("evaluation of step %d: a slice (%s) took %.0f ms", self.evaluator.step, self.evaluator.last_slice, ms)
+        if ms > self.slice_max_ms:
+            self.slice_max_ms, self.slice_max_at = ms, self.evaluator.last_slice
         if record is not None:
             log.info("evaluation of step %d done in %.1f s; its longest slice (%s) took %.0f ms", record["step"],
                      record["eval/s"], self.slice_max_at, self.slice_max_ms)
