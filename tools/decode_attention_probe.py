@@ -1,7 +1,9 @@
 """How long SDPA takes at a key length it has not seen, the way decoding calls it.
 
 Each call is a verification block (16 queries of Qwen3-8B's 32 heads over ``kv`` keys
-of its 8 KV heads, a causal mask offset by the cache), timed from launch to finish on
+of its 8 KV heads, a causal mask offset by the cache), made the way transformers makes
+it on CUDA: with a mask it repeats the KV heads rather than pass ``enable_gqa``, which
+would leave only the math kernel outside cuDNN. Each call is timed from launch to finish on
 an idle GPU, once per key length: a backend that builds something per shape pays it
 at every length. Prints the backend SDPA picks and the times, with every backend
 allowed (the default) and with cuDNN attention left out (what ``dflash.eval.decoding_attention``
@@ -36,11 +38,12 @@ def sweep(lengths: range, device: torch.device, heads: int = 32, kv_heads: int =
     for keys in lengths:
         q = torch.randn(1, heads, queries, head_dim, device=device, dtype=torch.bfloat16)
         k = torch.randn(1, kv_heads, keys, head_dim, device=device, dtype=torch.bfloat16)
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
         mask = block_mask(queries, keys, device)
-        backend = backend or SDPBackend(torch._fused_sdp_choice(q, k, k, mask, enable_gqa=True)).name
+        backend = backend or SDPBackend(torch._fused_sdp_choice(q, k, k, mask)).name
         torch.cuda.synchronize()
         began = time.perf_counter()
-        F.scaled_dot_product_attention(q, k, k, attn_mask=mask, enable_gqa=True)
+        F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
         torch.cuda.synchronize()
         times.append(1e3 * (time.perf_counter() - began))
     return backend, times
