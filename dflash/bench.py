@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 from dflash.build import Job, build_job, build_trainer, compose_config, warm_drafter
 from dflash.bundle import random_batch, random_prefill
-from dflash.checkpoint import load_checkpoint, save_checkpoint
+from dflash.checkpoint import save_checkpoint
 from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.estimate import drafter_flops, prefill_flops
 from dflash.model import TargetHead
@@ -113,7 +113,7 @@ def time_checkpoint(trainer: DrafterTrainer, root: Path) -> dict:
     began = time.perf_counter()
     path = save_checkpoint(root, 1, trainer.drafter, trainer.optimizer, trainer.scheduler, keep=1)
     saved = time.perf_counter()
-    load_checkpoint(path, trainer.drafter, trainer.optimizer, trainer.scheduler)
+    trainer.restore(path)
     sync()
     loaded = time.perf_counter()
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())

@@ -169,8 +169,9 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
         target_gib["evaluation drafter"] = drafter_params * dtype_bytes / GIB
     queries = micro * plan.num_anchors * plan.block_size
     drafter_gib = {
-        # fp32 master weights, the flat fp32 gradient buffer and the gradients of one backward
-        "weights and gradients": 3 * 4 * drafter_params / GIB,
+        # fp32 master weights and flat gradient buffer, and the gradients of one backward;
+        # under autocast, those gradients are of the bf16 compute weights (dflash.step.compute_copy)
+        "weights and gradients": (4 + 4 + (2 * dtype_bytes if cuda_plan else 4)) * drafter_params / GIB,
         "AdamW state": 8 * drafter_params / GIB,
         "frozen embedding and LM head": head_params * dtype_bytes / GIB,
         # per query token and layer: projections, attention output, norms, the MLP's three

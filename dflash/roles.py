@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.build import Job, TargetSide, build_target_side, build_trainer, drafter_config, warm_drafter
 from dflash.bundle import MicroBatch, PrefillOutput
-from dflash.checkpoint import load_checkpoint, resume_candidates, save_checkpoint
+from dflash.checkpoint import resume_candidates, save_checkpoint
 from dflash.compile import CompileGuard, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.export import save_export
 from dflash.live_eval import (
@@ -156,7 +156,7 @@ def resume_step(cfg: DictConfig, trainer: DrafterTrainer, group=None) -> int:
     candidates = resume_candidates(str(cfg.resume), Path(cfg.output_dir) / "checkpoints")
     for i, path in enumerate(candidates):
         try:
-            step = load_checkpoint(path, trainer.drafter, trainer.optimizer, trainer.scheduler, group)
+            step = trainer.restore(path, group)
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back alike
             if i + 1 == len(candidates):
                 raise RuntimeError(

@@ -7,6 +7,7 @@ from conftest import tiny_drafter, tiny_head
 
 from dflash.anchors import sample_anchors, sample_generator
 from dflash.bundle import MicroBatch, PrefillOutput
+from dflash.checkpoint import save_checkpoint
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
 
 BS = 4
@@ -34,12 +35,55 @@ def split(mb: MicroBatch, pf: PrefillOutput, sl: slice):
     )
 
 
-def make_trainer(drafter, sgd: bool = False):
+def make_trainer(drafter, sgd: bool = False, autocast: torch.dtype | None = None):
     """SGD makes the update the normalised gradient itself; AdamW's first step would hide its scale."""
     opt = torch.optim.SGD(drafter.parameters(), lr=1.0) if sgd else build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
     obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0)
-    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1e9, autocast_dtype=None)
+    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1e9, autocast_dtype=autocast)
+
+
+def autocast_over_masters(drafter) -> DrafterTrainer:
+    """The plain mixed-precision reference: fp32 weights that autocast casts at every use."""
+    trainer = make_trainer(drafter)
+    trainer.autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    return trainer
+
+
+def test_bf16_compute_weights_train_exactly_as_autocast_over_fp32_masters():
+    """Gradients, losses and updated masters equal bit for bit over several steps: the
+    compute weights are refreshed after every update, or the second step would differ."""
+    base = tiny_drafter(block_size=BS)
+    ref, held = autocast_over_masters(copy.deepcopy(base)), make_trainer(copy.deepcopy(base), autocast=torch.bfloat16)
+    linear = [m.weight for m in held.compute.modules() if isinstance(m, torch.nn.Linear)]
+    assert linear and all(w.dtype == torch.bfloat16 for w in linear)
+    assert all(p.dtype == torch.float32 for p in held.drafter.parameters())
+    for step in range(3):
+        mb, pf = batch(rows=[0, 1, 2, 3], lengths=[32, 12, 30, 9], seed=step)
+        for sl in (slice(0, 2), slice(2, 4)):
+            for trainer in (ref, held):
+                trainer.micro_step(*split(mb, pf, sl))
+            assert torch.equal(ref.flat_grad, held.flat_grad)
+        m_ref, m_held = ref.finish(), held.finish()
+        assert m_ref["loss"] == m_held["loss"] and m_ref["grad_norm"] == m_held["grad_norm"]
+        for a, b in zip(ref.drafter.parameters(), held.drafter.parameters()):
+            assert torch.equal(a, b)
+    for master, compute in zip(held.drafter.parameters(), held.compute.parameters()):
+        assert torch.equal(master.to(compute.dtype), compute)
+
+
+def test_restore_refreshes_the_compute_weights(tmp_path):
+    """A resumed trainer computes with the checkpoint's weights, not its own initial ones."""
+    trained = make_trainer(tiny_drafter(block_size=BS), autocast=torch.bfloat16)
+    trained.micro_step(*batch(rows=[0, 1], lengths=[32, 20]))
+    trained.finish()
+    path = save_checkpoint(tmp_path, 1, trained.drafter, trained.optimizer, trained.scheduler, keep=1)
+    resumed = make_trainer(tiny_drafter(block_size=BS, seed=7), autocast=torch.bfloat16)
+    assert resumed.restore(path) == 1
+    mb, pf = batch(rows=[2, 3], lengths=[30, 9], seed=1)
+    for trainer in (trained, resumed):
+        trainer.micro_step(mb, pf)
+    assert torch.equal(trained.flat_grad, resumed.flat_grad)
 
 
 def test_accumulation_equals_one_big_micro_batch():
