@@ -54,25 +54,29 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size):
         total = hidden.new_zeros((), dtype=torch.float32)
         grads, predictions = [], []
+        vocab = torch.arange(head_weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
+            # Written as one reduction (lse, argmax) and one pointwise pass over the logits,
+            # each reading the GEMM's bf16 output and upcasting in registers: no fp32
+            # [rows, V] copy and no scatter into one, which would each cost a full pass.
             logits = (hidden[rows] @ head_weight.t()).float()
             w = weights[rows].float()
-            log_probs = logits.log_softmax(-1)
-            probs = log_probs.exp()
-            grad_logits = torch.zeros_like(logits)
+            lse = logits.logsumexp(-1, keepdim=True)
+            probs = (logits - lse).exp()
+            # d/dlogits of sum_i w_i (ce * nll_i + kl * kl_i): w * ((ce + kl) * p - ce * onehot - kl * teacher)
+            grad_logits = (ce_weight + kl_weight) * w[:, None] * probs
             if ce_weight:
-                nll = -log_probs.gather(1, labels[rows, None]).squeeze(1)
+                label = labels[rows, None]
+                nll = (lse - logits.gather(1, label)).squeeze(1)
                 total = total + ce_weight * (w * nll).sum()
-                grad_logits += ce_weight * w[:, None] * probs
-                grad_logits.scatter_add_(1, labels[rows, None], (-ce_weight * w)[:, None])
+                grad_logits = grad_logits - torch.where(vocab == label, ce_weight * w[:, None], 0.0)
             if kl_weight:
                 t_log_probs = teacher_logits[rows].float().log_softmax(-1)
                 t_probs = t_log_probs.exp()
-                kl = (t_probs * (t_log_probs - log_probs.gather(1, teacher_idx[rows]))).sum(-1)
+                kl = (t_probs * (t_log_probs - (logits.gather(1, teacher_idx[rows]) - lse))).sum(-1)
                 total = total + kl_weight * (w * kl).sum()
-                grad_logits += kl_weight * w[:, None] * probs
-                grad_logits.scatter_add_(1, teacher_idx[rows], -kl_weight * w[:, None] * t_probs)
+                grad_logits = grad_logits.scatter_add(1, teacher_idx[rows], -kl_weight * w[:, None] * t_probs)
             grads.append((grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype))
             predictions.append(logits.argmax(-1))
         grad_hidden, predictions = torch.cat(grads), torch.cat(predictions)
