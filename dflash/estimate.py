@@ -26,10 +26,10 @@ from dflash.topology import Topology
 
 GIB = 2**30
 H200_GIB = 139.8  # usable memory of one H200 as torch reports it
-# Utilisation measured on one H200 at the Qwen3-8B shapes (BENCHMARKS.md, 2026-11-29): the
+# Utilisation measured on one H200 at the Qwen3-8B shapes (BENCHMARKS.md, 2026-11-30): the
 # compiled prefill and the reduce-overhead drafter step. Rates for other shapes follow from
 # their FLOPs at the same utilisation, unless a `dflash.bench` report is given.
-MEASURED_MFU = {"target": 0.775, "drafter": 0.622}
+MEASURED_MFU = {"target": 0.775, "drafter": 0.703}
 PEAK_FLOPS = 790e12
 
 
@@ -129,7 +129,8 @@ def _rates(job: Job, target_flops: float, drafter_flops_: float, cuda_plan: bool
         return math.nan, math.nan, ""
     target = MEASURED_MFU["target"] * PEAK_FLOPS / target_flops
     drafter = MEASURED_MFU["drafter"] * PEAK_FLOPS / drafter_flops_
-    return target, drafter, "the MFU measured on one H200 (77.5% prefill, 62.2% drafter) at these FLOPs"
+    measured = f"{MEASURED_MFU['target']:.1%} prefill, {MEASURED_MFU['drafter']:.1%} drafter"
+    return target, drafter, f"the MFU measured on one H200 ({measured}) at these FLOPs"
 
 
 def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
