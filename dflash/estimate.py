@@ -176,7 +176,8 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
         "AdamW state": 8 * drafter_params / GIB,
         "frozen embedding and LM head": head_params * dtype_bytes / GIB,
         # per query token and layer: projections, attention output, norms, the MLP's three
-        # inputs; the context's K/V; two fp32 logits buffers of one loss chunk
+        # inputs; the context's K/V; one loss chunk's logits and their gradient, counted as fp32
+        # (compiled they are bf16; eager keeps fp32 copies)
         "activations": queries * drafter_cfg.num_layers * (6 * h + 3 * drafter_cfg.intermediate_size) * dtype_bytes / GIB
         + seq_len * micro * (plan.feature_dim + 2 * drafter_cfg.num_key_value_heads * drafter_cfg.head_dim
                              * drafter_cfg.num_layers) * dtype_bytes / GIB

@@ -57,9 +57,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         vocab = torch.arange(head_weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            # Written as one reduction (lse, argmax) and one pointwise pass over the logits,
-            # each reading the GEMM's bf16 output and upcasting in registers: no fp32
-            # [rows, V] copy and no scatter into one, which would each cost a full pass.
+            # Written as one reduction (lse, argmax) and one pointwise pass over the logits, so
+            # that compiled, each reads the GEMM's bf16 output and upcasts in registers: no fp32
+            # [rows, V] copy and no scatter into one (each a full pass), except the KL's
+            # scatter of the teacher's top-k when it is on.
             logits = (hidden[rows] @ head_weight.t()).float()
             w = weights[rows].float()
             lse = logits.logsumexp(-1, keepdim=True)

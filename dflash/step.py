@@ -69,13 +69,16 @@ def compute_copy(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
     at Qwen3-8B shapes that is 30 cast kernels and 2 GiB written per micro-batch.
     Held in ``dtype`` and refreshed once per optimizer step, the weights are the same
     values (the same round-to-nearest cast) and their gradients the same bf16 GEMM
-    outputs that autocast's cast backward would upcast, so the numerics are unchanged.
-    Norm weights stay fp32: autocast computes the norms in fp32 either way."""
-    compute = copy.deepcopy(drafter)
-    for module in compute.modules():
-        if isinstance(module, nn.Linear):
-            module.to(dtype)
-    return compute
+    outputs that autocast's cast backward would upcast: eager, the step is equal bit
+    for bit (tests/test_step.py). Norm weights stay fp32: autocast computes the norms
+    in fp32 either way. The linear weights enter the copy already cast, so the fp32
+    drafter is never held twice."""
+    cast = {
+        id(m.weight): nn.Parameter(m.weight.detach().to(dtype), m.weight.requires_grad)
+        for m in drafter.modules()
+        if isinstance(m, nn.Linear)
+    }
+    return copy.deepcopy(drafter, memo=cast)
 
 
 class DrafterTrainer:

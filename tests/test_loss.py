@@ -1,5 +1,6 @@
 """The chunked head loss against a float64 reference, and per-slot metrics."""
 
+import pytest
 import torch
 
 from dflash.loss import head_loss, slot_accuracy, tau_sim
@@ -34,15 +35,17 @@ def test_ce_matches_float64_reference_value_and_gradient():
     torch.testing.assert_close(g.double(), g_ref, rtol=1e-4, atol=1e-6)
 
 
-def test_kl_matches_float64_reference():
+@pytest.mark.parametrize("ce, kl", [(0.5, 2.0), (0.0, 1.0), (0.0, 0.0)])
+def test_kl_matches_float64_reference(ce, kl):
+    """Both terms, the KL alone (the gradient's softmax factor is then kl, not ce + kl), and neither."""
     h, W, labels, w = make(seed=1)
     g = torch.Generator().manual_seed(5)
     t_idx = torch.stack([torch.randperm(50, generator=g)[:6] for _ in range(h.shape[0])])
     t_logits = torch.randn(h.shape[0], 6, generator=g) * 3
-    out = head_loss(h, W, labels, w, t_idx, t_logits, ce_weight=0.5, kl_weight=2.0, chunk_size=5)
+    out = head_loss(h, W, labels, w, t_idx, t_logits, ce_weight=ce, kl_weight=kl, chunk_size=5)
     (grad,) = torch.autograd.grad(out.loss_sum, h)
     h64 = h.detach().double().requires_grad_()
-    ref = reference(h64, W, labels, w, t_idx, t_logits, ce=0.5, kl=2.0)
+    ref = reference(h64, W, labels, w, t_idx, t_logits, ce=ce, kl=kl)
     (g_ref,) = torch.autograd.grad(ref, h64)
     torch.testing.assert_close(out.loss_sum.double(), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad.double(), g_ref, rtol=1e-4, atol=1e-6)
