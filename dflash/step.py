@@ -125,9 +125,8 @@ class DrafterTrainer:
         # Adding bf16 gradients to fp32 is a dtype-mixing add that eager runs one unvectorised
         # kernel per tensor for (4.3 ms per micro-step at Qwen3-8B shapes); compiled, it is a few
         # fused kernels. No CUDA graph: its inputs are another graph's outputs.
-        mixed = self.compute is not drafter
         self.accumulate = self._accumulate
-        if self.compiled and mixed:
+        if self.compiled and self.compute is not drafter:
             self.accumulate = compile_settings.compile(self._accumulate, mode="default")
         self.stats = self._fresh_stats()
 
