@@ -92,3 +92,12 @@ def make_blocks(
     weights = torch.where(has_loss, weights, 0.0)
     return Blocks(ids, positions.flatten(1), labels, weights, gather_at)
 
+
+def drafted(t: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``t [b, n*B, ...]`` at block slots 1..B-1 only, ``[b, n*(B-1), ...]``.
+
+    Slot 0 holds the anchor token itself: it is given, never predicted, and carries
+    no loss. Its logits would be 1/B of the frozen LM head's work (forward and input
+    gradient) for nothing, so the loss sees only the drafted slots."""
+    return t.unflatten(1, (-1, block_size))[:, :, 1:].flatten(1, 2)
+

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -119,10 +120,13 @@ def head_loss(
 
 
 def slot_accuracy(predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int):
-    """Per-slot (correct, counted) sums over a micro-batch, ``[B]`` each, on device."""
-    valid = (weights > 0).view(-1, block_size)
-    correct = ((predictions == labels.view(-1)).view(-1, block_size) & valid).sum(0)
-    return correct, valid.sum(0)
+    """Per-slot (correct, counted) sums over a micro-batch, ``[B]`` each, on device.
+
+    The inputs cover the drafted slots 1..B-1 of each block (``anchors.drafted``);
+    slot 0, the anchor, counts nothing."""
+    valid = (weights > 0).view(-1, block_size - 1)
+    correct = ((predictions == labels.view(-1)).view(-1, block_size - 1) & valid).sum(0)
+    return F.pad(correct, (1, 0)), F.pad(valid.sum(0), (1, 0))
 
 
 def tau_sim(acc: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash.anchors import make_blocks
+from dflash.anchors import drafted, make_blocks
 from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.checkpoint import load_checkpoint
 from dflash.compile import CompileSettings
@@ -167,23 +167,25 @@ class DrafterTrainer:
         b, seq_len = input_ids.shape
         mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex)
         ctx_positions = torch.arange(seq_len, device=input_ids.device).expand(b, seq_len)
+        labels, weights = drafted(blocks.labels, obj.block_size), drafted(blocks.weights, obj.block_size)
         teacher_idx = teacher_logits = None
         if obj.kl_weight:
-            teacher_idx, teacher_logits = teacher_at(blocks.label_positions, topk_values, topk_indices)
+            label_positions = drafted(blocks.label_positions, obj.block_size)
+            teacher_idx, teacher_logits = teacher_at(label_positions, topk_values, topk_indices)
         hidden = self.compute(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask)
         out = head_loss(
-            hidden.flatten(0, 1),
+            drafted(hidden, obj.block_size).flatten(0, 1),
             self.head.lm_head_weight,
-            blocks.labels.flatten(),
-            blocks.weights.flatten(),
+            labels.flatten(),
+            weights.flatten(),
             teacher_idx,
             teacher_logits,
             obj.ce_weight,
             obj.kl_weight,
             obj.chunk_size,
         )
-        correct, counted = slot_accuracy(out.predictions, blocks.labels, blocks.weights, obj.block_size)
-        return out.loss_sum, blocks.weights.sum(), correct, counted
+        correct, counted = slot_accuracy(out.predictions, labels, weights, obj.block_size)
+        return out.loss_sum, weights.sum(), correct, counted
 
     def _accumulate(self, grads: list[torch.Tensor]) -> None:
         torch._foreach_add_(self.grad_views, grads)

@@ -90,6 +90,6 @@ def test_trainer_passes_decayed_weights_to_the_loss(monkeypatch):
     anchors = torch.tensor([[2, 6, 11]])
     batch = MicroBatch(ids, torch.ones(1, S, dtype=torch.long), torch.tensor([S]), anchors, torch.ones(1, 3, dtype=torch.bool), 0)
     trainer.micro_step(batch, PrefillOutput(torch.randn(1, S, 3 * 64, generator=g)))
-    expected = hand_weights(B, gamma).repeat(3)
+    expected = hand_weights(B, gamma)[1:].repeat(3)  # the loss sees slots 1..B-1; slot 0 has none
     torch.testing.assert_close(seen["weights"].double().flatten(), expected, rtol=2e-7, atol=1e-12)
     torch.testing.assert_close(trainer.stats.weight_sum.double(), expected.sum(), rtol=1e-6, atol=0)

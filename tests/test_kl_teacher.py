@@ -72,20 +72,21 @@ def test_teacher_of_slot_k_is_the_target_at_a_plus_k_minus_1(captured):
     t.micro_step(batch, PrefillOutput(features, topk_values, topk_indices))
 
     n = ANCHORS.shape[1]
-    t_idx = captured["teacher_idx"].view(2, n, B, TOPK)
-    t_val = captured["teacher_logits"].view(2, n, B, TOPK)
-    labels = captured["labels"].view(2, n, B)
-    weights = captured["weights"].view(2, n, B)
+    # the loss sees the drafted slots 1..B-1 of each block: index k - 1 is slot k
+    t_idx = captured["teacher_idx"].view(2, n, B - 1, TOPK)
+    t_val = captured["teacher_logits"].view(2, n, B - 1, TOPK)
+    labels = captured["labels"].view(2, n, B - 1)
+    weights = captured["weights"].view(2, n, B - 1)
     checked = 0
     for r in range(2):
         for j in range(n):
             a = int(ANCHORS[r, j])
             for k in range(1, B):
-                if weights[r, j, k] == 0:
+                if weights[r, j, k - 1] == 0:
                     continue
-                assert int(labels[r, j, k]) == int(batch.input_ids[r, a + k]), (r, j, k)
-                assert torch.equal(t_idx[r, j, k], topk_indices[r, a + k - 1]), (r, j, k)
-                assert torch.equal(t_val[r, j, k], topk_values[r, a + k - 1]), (r, j, k)
+                assert int(labels[r, j, k - 1]) == int(batch.input_ids[r, a + k]), (r, j, k)
+                assert torch.equal(t_idx[r, j, k - 1], topk_indices[r, a + k - 1]), (r, j, k)
+                assert torch.equal(t_val[r, j, k - 1], topk_values[r, a + k - 1]), (r, j, k)
                 checked += 1
     # row 0: four kept blocks of 3 slots; row 1: four full blocks, and the one at 18 keeps
     # only slot 1 (position 19; 20 and 21 have no loss)

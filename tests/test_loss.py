@@ -63,9 +63,10 @@ def test_chunked_equals_unchunked():
 
 
 def test_slot_accuracy_and_tau_sim():
-    labels = torch.tensor([5, 1, 2, 3, 5, 1, 9, 3])
-    preds = torch.tensor([0, 1, 2, 0, 0, 1, 2, 3])
-    weights = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1.0])
+    # two blocks of 4, slots 1..3 of each (slot 0, the anchor, is never predicted)
+    labels = torch.tensor([1, 2, 3, 1, 9, 3])
+    preds = torch.tensor([1, 2, 0, 1, 2, 3])
+    weights = torch.tensor([1, 1, 1, 1, 1, 1.0])
     correct, counted = slot_accuracy(preds, labels, weights, 4)
     assert correct.tolist() == [0, 2, 1, 1] and counted.tolist() == [0, 2, 2, 2]
     acc = correct / counted.clamp(min=1)

@@ -3,11 +3,13 @@
 import copy
 
 import torch
+import torch.nn.functional as F
 from conftest import tiny_drafter, tiny_head
 
-from dflash.anchors import sample_anchors, sample_generator
+from dflash.anchors import make_blocks, sample_anchors, sample_generator
 from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.checkpoint import save_checkpoint
+from dflash.masks import build_mask
 from dflash.step import DrafterTrainer, ObjectiveConfig, build_optimizer, cosine_schedule
 
 BS = 4
@@ -84,6 +86,32 @@ def test_restore_refreshes_the_compute_weights(tmp_path):
     for trainer in (trained, resumed):
         trainer.micro_step(mb, pf)
     assert torch.equal(trained.flat_grad, resumed.flat_grad)
+
+
+def test_micro_step_equals_a_float64_loss_over_every_block_slot():
+    """The step takes logits only at the drafted slots 1..B-1. A float64 loss with logits at
+    every slot, the anchor's included (with its zero weight), has the same value and the
+    same gradients."""
+    base, head = tiny_drafter(block_size=BS), tiny_head()
+    mb, pf = batch(rows=[0, 1], lengths=[32, 20])
+    trainer = make_trainer(copy.deepcopy(base))
+    trainer.micro_step(mb, pf)
+
+    ref = copy.deepcopy(base).double()
+    blocks = make_blocks(mb.input_ids, mb.loss_mask, mb.lengths, mb.anchors, mb.keep, BS, 95, 7.0)
+    seq_len = mb.input_ids.shape[1]
+    hidden = ref(
+        pf.features.double(), F.embedding(blocks.ids, head.embed_weight.double()),
+        torch.arange(seq_len).expand(2, seq_len), blocks.positions, build_mask(mb.anchors, seq_len, BS, False),
+    )
+    nll = F.cross_entropy((hidden @ head.lm_head_weight.double().T).flatten(0, 1), blocks.labels.flatten(), reduction="none")
+    loss = (blocks.weights.double().flatten() * nll).sum()
+    loss.backward()
+    assert (blocks.weights.view(-1, BS)[:, 0] == 0).all() and (nll.view(-1, BS)[:, 0] > 0).all()
+    torch.testing.assert_close(trainer.stats.loss_sum.double(), loss.detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(trainer.stats.weight_sum.double(), blocks.weights.double().sum(), rtol=1e-6, atol=0)
+    grads = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    torch.testing.assert_close(trainer.flat_grad.double(), grads, rtol=1e-4, atol=1e-6)
 
 
 def test_accumulation_equals_one_big_micro_batch():
