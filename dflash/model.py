@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash.linear import Linear
+
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
     """Target layers spread evenly from layer 1 to layer L-3 (the z-lab rule).
@@ -105,10 +107,10 @@ class Attention(nn.Module):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_proj = Linear(h, self.num_heads * d)
+        self.k_proj = Linear(h, self.num_kv_heads * d)
+        self.v_proj = Linear(h, self.num_kv_heads * d)
+        self.o_proj = Linear(self.num_heads * d, h)
         self.q_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
 
@@ -137,9 +139,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -170,7 +172,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         n = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(n * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(n * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)

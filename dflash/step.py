@@ -22,6 +22,7 @@ from dflash.anchors import drafted, make_blocks
 from dflash.bundle import MicroBatch, PrefillOutput
 from dflash.checkpoint import load_checkpoint
 from dflash.compile import CompileSettings
+from dflash.linear import Linear
 from dflash.loss import head_loss, slot_accuracy, teacher_at
 from dflash.masks import build_mask
 from dflash.model import DFlashDrafter, TargetHead
@@ -68,11 +69,10 @@ def compute_copy(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
     Autocast casts each fp32 weight to ``dtype`` at every use, forward and backward:
     at Qwen3-8B shapes that is 30 cast kernels and 2 GiB written per micro-batch.
     Held in ``dtype`` and refreshed once per optimizer step, the weights are the same
-    values (the same round-to-nearest cast) and their gradients the same bf16 GEMM
-    outputs that autocast's cast backward would upcast: eager, the step is equal bit
-    for bit (tests/test_step.py). Norm weights stay fp32: autocast computes the norms
-    in fp32 either way. The linear weights enter the copy already cast, so the fp32
-    drafter is never held twice."""
+    values (the same round-to-nearest cast), so eager, the step is equal bit for bit to
+    autocast over the masters (tests/test_step.py). Norm weights stay fp32: autocast
+    computes the norms in fp32 either way. The linear weights enter the copy already
+    cast, so the fp32 drafter is never held twice."""
     cast = {
         id(m.weight): nn.Parameter(m.weight.detach().to(dtype), m.weight.requires_grad)
         for m in drafter.modules()
@@ -89,10 +89,12 @@ class DrafterTrainer:
     with its linear weights in the autocast dtype (:func:`compute_copy`); without it,
     ``compute`` is the drafter itself.
 
-    Gradients accumulate in one persistent fp32 flat buffer: under CUDA graphs a
-    parameter's ``.grad`` is memory of the graph pool that the next replay
-    overwrites, so each micro-batch's gradients are added to the buffer and
-    dropped at once. The same buffer is what the drafter group all-reduces.
+    Gradients accumulate in persistent fp32 buffers, ``grads``, one per trainable
+    parameter; they are what the drafter group all-reduces and what the optimizer
+    reads. The linear layers' backward GEMMs add into theirs directly
+    (:mod:`dflash.linear`). The norm weights' gradients come through ``.grad``:
+    under CUDA graphs that is memory of the graph pool that the next replay
+    overwrites, so they are added to their buffers and dropped after each backward.
     """
 
     def __init__(
@@ -116,18 +118,15 @@ class DrafterTrainer:
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.compute = compute_copy(drafter, autocast_dtype) if autocast_dtype is not None else drafter
         self.compute_params = [p for p in self.compute.parameters() if p.requires_grad]
-        sizes = [p.numel() for p in self.params]
-        self.flat_grad = torch.zeros(sum(sizes), device=self.device)
-        self.grad_views = [v.view_as(p) for v, p in zip(self.flat_grad.split(sizes), self.params)]
+        self.grads = [torch.zeros_like(p) for p in self.params]
+        sink_of = {id(p): g for p, g in zip(self.compute_params, self.grads)}
+        for m in self.compute.modules():
+            if isinstance(m, Linear):
+                m.grad_sink = sink_of.pop(id(m.weight))
+        self.via_autograd = [(p, g) for p, g in zip(self.compute_params, self.grads) if id(p) in sink_of]
         self.compiled = compile_settings is not None and compile_settings.drafter
         self.cuda_graphs = self.compiled and compile_settings.cuda_graphs
         self.forward_loss = compile_settings.compile(self._forward_loss) if self.compiled else self._forward_loss
-        # Adding bf16 gradients to fp32 is a dtype-mixing add that eager runs one unvectorised
-        # kernel per tensor for (4.3 ms per micro-step at Qwen3-8B shapes); compiled, it is a few
-        # fused kernels. No CUDA graph: its inputs are another graph's outputs.
-        self.accumulate = self._accumulate
-        if self.compiled and self.compute is not drafter:
-            self.accumulate = compile_settings.compile(self._accumulate, mode="default")
         self.stats = self._fresh_stats()
 
     @torch.no_grad()
@@ -187,9 +186,6 @@ class DrafterTrainer:
         correct, counted = slot_accuracy(out.predictions, labels, weights, obj.block_size)
         return out.loss_sum, weights.sum(), correct, counted
 
-    def _accumulate(self, grads: list[torch.Tensor]) -> None:
-        torch._foreach_add_(self.grad_views, grads)
-
     def _forward_backward(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -204,8 +200,9 @@ class DrafterTrainer:
         s.correct += correct
         s.counted += counted
         loss_sum.backward()
-        self.accumulate([p.grad for p in self.compute_params])
-        for p in self.compute_params:
+        params, grads = zip(*self.via_autograd)
+        torch._foreach_add_(grads, [p.grad for p in params])
+        for p in params:
             p.grad = None
 
     def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
@@ -224,7 +221,7 @@ class DrafterTrainer:
         for batch, prefill in batches:
             for _ in range(calls):
                 self._forward_backward(batch.to(self.device), prefill)
-        self.flat_grad.zero_()
+        torch._foreach_zero_(self.grads)
         self.stats = self._fresh_stats()
 
     def finish(self, group=None) -> dict | None:
@@ -235,23 +232,24 @@ class DrafterTrainer:
         samples = torch.tensor([s.samples], dtype=torch.float32, device=self.device)
         sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted, samples, s.tokens[None]])
         if group is not None:
-            dist.all_reduce(self.flat_grad, group=group)
+            for g in self.grads:
+                dist.all_reduce(g, group=group)
             dist.all_reduce(sums, group=group)
         b = self.obj.block_size
         loss_sum, weight, correct, counted = sums[0], float(sums[1]), sums[2 : 2 + b], sums[2 + b : 2 + 2 * b]
         loss = float(loss_sum) / weight if weight > 0 else float("nan")
         if weight <= 0 or not math.isfinite(loss):
-            self.flat_grad.zero_()
+            torch._foreach_zero_(self.grads)
             return None
-        self.flat_grad.div_(weight)
-        for p, g in zip(self.params, self.grad_views):
+        torch._foreach_div_(self.grads, weight)
+        for p, g in zip(self.params, self.grads):
             p.grad = g
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.flat_grad.zero_()
+        torch._foreach_zero_(self.grads)
         self.refresh()
         return {
             "loss": loss,

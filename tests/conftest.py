@@ -52,6 +52,11 @@ def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_s
     return DFlashDrafter(cfg)
 
 
+def flat_grads(trainer) -> torch.Tensor:
+    """A trainer's accumulated gradients, all parameters in order, as one vector."""
+    return torch.cat([g.flatten() for g in trainer.grads])
+
+
 def tiny_head(hidden: int = 64, vocab: int = 96, seed: int = 0) -> TargetHead:
     g = torch.Generator().manual_seed(seed)
     return TargetHead(torch.randn(vocab, hidden, generator=g), torch.randn(vocab, hidden, generator=g) * 0.1)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_head
+from conftest import flat_grads, tiny_drafter, tiny_head
 from test_step import BS, batch, split
 
 from dflash.compile import (
@@ -71,19 +71,22 @@ def test_autocast_around_the_compiled_step_applies_inside():
     assert abs(losses[0] - losses[2]) > 1e-5 * losses[0]  # fp32 differs: bf16 really was used
 
 
-def test_compiled_accumulation_of_bf16_gradients_equals_eager():
-    """Under autocast the compute weights' bf16 gradients are added to the fp32 buffer by a
-    compiled function of their own; two micro-batches in, the buffers are equal."""
+def test_compiled_bf16_micro_steps_sum_the_gradients_eager_sums():
+    """Under autocast the compiled backward adds each linear weight's gradient into its
+    fp32 buffer in place (dflash.linear): two micro-batches in, the buffers equal eager's,
+    no weight holds a ``.grad``, and the step is one graph."""
     torch._dynamo.reset()
     base = tiny_drafter(block_size=BS)
     eager, compiled = (make_trainer(copy.deepcopy(base), s, autocast=torch.bfloat16) for s in (None, AOT))
-    assert compiled.accumulate is not compiled._accumulate
+    before = compile_counts()["graphs"]
     mb, pf = batch(rows=[0, 1, 2, 3], lengths=[32, 20, 30, 9])
     for sl in (slice(0, 2), slice(2, 4)):
         for trainer in (eager, compiled):
             trainer.micro_step(*split(mb, pf, sl))
-    assert compiled.flat_grad.abs().sum() > 0
-    torch.testing.assert_close(eager.flat_grad, compiled.flat_grad, rtol=1e-5, atol=1e-7)
+    assert compile_counts()["graphs"] - before == 1
+    assert all(p.grad is None for p in compiled.compute.parameters())
+    assert all(g.abs().sum() > 0 for g in compiled.grads)
+    torch.testing.assert_close(flat_grads(eager), flat_grads(compiled), rtol=1e-5, atol=1e-7)
 
 
 def test_accumulation_under_compile_equals_one_micro_batch():
@@ -108,7 +111,7 @@ def test_one_graph_per_bucket_and_strict_guard():
     before = compile_counts()["graphs"]
     trainer.warmup([batch(rows=[0, 1], lengths=[32, 30]), batch(rows=[0, 1], lengths=[16, 10], seq_len=16)])
     assert compile_counts()["graphs"] - before == 2  # one per bucket
-    assert not trainer.flat_grad.any(), "warmup must leave no gradient behind"
+    assert not flat_grads(trainer).any(), "warmup must leave no gradient behind"
     guard = CompileGuard(strict=True)
     guard.arm()
     # Other real lengths, same buckets: no new graph.

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import tiny_drafter, tiny_head
+from conftest import flat_grads, tiny_drafter, tiny_head
 
 from dflash.anchors import AnchorSpec, make_blocks, sample_anchors, sample_generator
 from dflash.bundle import random_batch, random_prefill
@@ -92,9 +92,23 @@ def test_nccl_initialises_and_reduces_the_drafter_gradients():
         trainer = _trainer(tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda(), None)
         batch = random_batch(2, 128, 96, AnchorSpec(8, 0))
         trainer.micro_step(batch, random_prefill(2, 128, 768, torch.bfloat16, 4, 96, "cuda"))
-        before = trainer.flat_grad.clone()
+        before = flat_grads(trainer).clone()
         result = trainer.finish(group)
         assert result is not None and torch.isfinite(torch.tensor(result["loss"]))
         assert before.abs().sum() > 0
     finally:
         dist.destroy_process_group()
+
+
+def test_weight_gradient_sums_in_fp32_inside_the_cublas_gemm():
+    """On CUDA a bf16 layer's weight-gradient GEMM writes the fp32 sum itself (``addmm``
+    with ``out_dtype``, in place): equal to a float64 sum of the bf16 operands to fp32
+    precision, far closer than adding gradients rounded to bf16."""
+    from test_linear import float64_sum, passes
+
+    lin, seen = passes(torch.bfloat16, "cuda")
+    exact = float64_sum(seen)
+    error = (lin.grad_sink.double() - exact).abs().max()
+    rounded = sum((dy.flatten(0, 1).T @ x.flatten(0, 1)).float() for x, dy, _ in seen).double()
+    assert error < 1e-4 and (rounded - exact).abs().max() > 10 * error
+    assert lin.weight.grad is None
