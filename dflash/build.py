@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
-from dflash.bundle import MicroBatch, PrefillOutput, random_batch, random_prefill
+from dflash.bundle import MicroBatch, PrefillOutput, random_batch, random_prefill, to_device
 from dflash.compile import CompileSettings, resolve_settings
 from dflash.data import Dataset, SampleOrder, collate, load_dataset, synthetic_dataset
 from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
@@ -164,7 +164,7 @@ class TargetSide:
         """Global micro-batch ``m``: collate (anchors drawn on the host), then prefill."""
         epoch, indices = self.order.micro_batch(m)
         batch = collate(self.dataset, epoch, indices, list(self.plan.buckets), self.pad_id, self.plan.anchor_spec())
-        prefill = self.target.prefill(batch.input_ids.to(self.device), self.plan.topk)
+        prefill = self.target.prefill(to_device(batch.input_ids, self.device), self.plan.topk)
         return batch, prefill
 
     def warm(self) -> None:
@@ -172,7 +172,7 @@ class TargetSide:
         vocab = self.target.head().vocab_size
         for seq_len in self.plan.buckets:
             batch = random_batch(self.plan.micro_batch_size, seq_len, vocab, self.plan.anchor_spec())
-            self.target.prefill(batch.input_ids.to(self.device), self.plan.topk)
+            self.target.prefill(to_device(batch.input_ids, self.device), self.plan.topk)
 
 
 def build_target_side(job: Job) -> TargetSide:

@@ -17,6 +17,17 @@ import torch
 from dflash.anchors import AnchorSpec, sample_anchors
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``, queued without making the host wait.
+
+    A copy from pageable host memory to CUDA waits for the GPU to finish its queue,
+    and the GPU then idles while the host collates the next micro-batch and launches
+    its first kernels. From pinned memory the copy is queued like a kernel."""
+    if t.device.type == "cpu" and torch.device(device).type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 @dataclass
 class MicroBatch:
     """One micro-batch, padded to a length bucket, with its anchors already drawn.
@@ -34,7 +45,7 @@ class MicroBatch:
 
     def to(self, device: torch.device) -> MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        moved.update({k: v.to(device, non_blocking=True) for k, v in moved.items() if isinstance(v, torch.Tensor)})
+        moved.update({k: to_device(v, device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
         return MicroBatch(**moved)
 
 

@@ -24,7 +24,7 @@ from dataclasses import astuple, dataclass, fields
 import torch
 import torch.distributed as dist
 
-from dflash.bundle import MicroBatch, PrefillOutput, flatten, shapes, unflatten
+from dflash.bundle import MicroBatch, PrefillOutput, flatten, shapes, to_device, unflatten
 
 MAGIC = 0x0DF1A5
 FLAG_END, FLAG_ABORT = 1, 2
@@ -123,13 +123,13 @@ class BundleSender:
             topk=0 if prefill.topk_values is None else prefill.topk_values.shape[-1],
             block_size=self.block_size, epoch=batch.epoch, send_wait_us=int(self.wait_s * 1e6),
         )
-        payload = [_wire(t.to(self.device)) for t in flatten(batch, prefill)]
-        self._post(peer, [header.tensor().to(self.device), *payload])
+        payload = [_wire(to_device(t, self.device)) for t in flatten(batch, prefill)]
+        self._post(peer, [to_device(header.tensor(), self.device), *payload])
 
     def send_flag(self, peer: int, m: int, flags: int) -> None:
         """A header alone; never blocks, so an abort goes out even when peers are stuck."""
         header = Header(micro_batch=m, flags=flags, send_wait_us=int(self.wait_s * 1e6))
-        self._post(peer, [header.tensor().to(self.device)], bounded=False)
+        self._post(peer, [to_device(header.tensor(), self.device)], bounded=False)
 
     def drain(self) -> None:
         for works, _ in self.in_flight:

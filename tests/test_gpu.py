@@ -9,7 +9,7 @@ import torch.distributed as dist
 from conftest import flat_grads, tiny_drafter, tiny_head
 
 from dflash.anchors import AnchorSpec, make_blocks, sample_anchors, sample_generator
-from dflash.bundle import random_batch, random_prefill
+from dflash.bundle import random_batch, random_prefill, to_device
 from dflash.compile import CompileGuard, CompileSettings
 from dflash.masks import build_mask
 from dflash.protocol import free_port
@@ -112,3 +112,19 @@ def test_weight_gradient_sums_in_fp32_inside_the_cublas_gemm():
     rounded = sum((dy.flatten(0, 1).T @ x.flatten(0, 1)).float() for x, dy, _ in seen).double()
     assert error < 1e-4 and (rounded - exact).abs().max() > 10 * error
     assert lin.weight.grad is None
+
+
+def test_host_batches_reach_the_gpu_without_waiting_for_its_queue():
+    """``to_device`` queues the copy behind the GPU's work and returns; a plain copy from
+    pageable memory would wait for the queue to drain (checked too, so the test can fail)."""
+    batch = random_batch(2, 128, 96, AnchorSpec(8, 0))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued
+    moved = batch.to(torch.device("cuda"))
+    ids = to_device(batch.input_ids, torch.device("cuda"))
+    assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(ids.cpu(), batch.input_ids) and torch.equal(moved.anchors.cpu(), batch.anchors)
+    torch.cuda._sleep(2_000_000_000)
+    batch.input_ids.to("cuda")
+    assert torch.cuda.current_stream().query(), "a pageable copy should have waited"
