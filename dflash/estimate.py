@@ -41,10 +41,11 @@ def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: 
     """Training FLOPs of one sequence, counted as in docs/DESIGN.md section 6."""
     h, kv = d.hidden_size, d.num_key_value_heads * d.head_dim
     q = d.num_attention_heads * d.head_dim
-    layer_linear = h * q * 2 + h * kv * 2 + 3 * h * d.intermediate_size
+    attention_linear, mlp = h * q * 2 + h * kv * 2, 3 * h * d.intermediate_size
     tq = num_anchors * d.block_size
     return (
-        6 * layer_linear * d.num_layers * tq
+        6 * attention_linear * d.num_layers * tq
+        + 6 * mlp * ((d.num_layers - 1) * tq + num_anchors * (d.block_size - 1))
         + 6 * (2 * h * kv) * d.num_layers * seq_len
         + 6 * (len(d.target_layer_ids) * h * h) * seq_len
         + 4 * h * vocab_size * num_anchors * (d.block_size - 1)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash.anchors import drafted
 from dflash.linear import Linear
 
 
@@ -155,8 +156,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, rope_block, rope_ctx, mask: Mask) -> torch.Tensor:
+    def forward(self, x, ctx, rope_block, rope_ctx, mask: Mask, block_size: int | None = None) -> torch.Tensor:
+        """With ``block_size``, the rows after attention are cut to the drafted slots
+        1..B-1 of each block (see :meth:`DFlashDrafter.forward`)."""
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_block, rope_ctx, mask)
+        if block_size is not None:
+            x = drafted(x, block_size)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -193,13 +198,23 @@ class DFlashDrafter(nn.Module):
         ctx_positions: torch.Tensor,
         block_positions: torch.Tensor,
         mask: Mask = None,
+        drafted_only: bool = False,
     ) -> torch.Tensor:
+        """Final-normed hidden states ``[b, n*B, H]`` of every block slot, or with
+        ``drafted_only`` ``[b, n*(B-1), H]`` of slots 1..B-1 only.
+
+        Slot 0 holds the anchor token, which is given and never predicted. Its row still
+        serves as a key and value in every layer's attention, but after the last
+        attention nothing reads it: training drops it there and skips 1/B of the last
+        layer's MLP."""
         ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
         rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
         rope_block = self.rotary(block_positions, block_embeds.dtype)
         x = block_embeds
-        for layer in self.layers:
-            x = layer(x, ctx, rope_block, rope_ctx, mask)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            cut = self.config.block_size if drafted_only and i == last else None
+            x = layer(x, ctx, rope_block, rope_ctx, mask, cut)
         return self.norm(x)
 
 

@@ -171,9 +171,9 @@ class DrafterTrainer:
         if obj.kl_weight:
             label_positions = drafted(blocks.label_positions, obj.block_size)
             teacher_idx, teacher_logits = teacher_at(label_positions, topk_values, topk_indices)
-        hidden = self.compute(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask)
+        hidden = self.compute(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask, True)
         out = head_loss(
-            drafted(hidden, obj.block_size).flatten(0, 1),
+            hidden.flatten(0, 1),
             self.head.lm_head_weight,
             labels.flatten(),
             weights.flatten(),
