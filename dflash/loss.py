@@ -58,19 +58,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         vocab = torch.arange(head_weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            # Written as one reduction (max, sum of exponentials, argmax) and one pointwise pass
-            # over the logits, so that compiled, each reads the GEMM's bf16 output and upcasts in
-            # registers: no fp32 [rows, V] copy and no scatter into one (each a full pass), except
-            # the KL's scatter of the teacher's top-k when it is on. The softmax is spelled out
-            # as max, shifted exp and sum: the shape Inductor computes in one online pass
-            # (logsumexp's own decomposition masks the max in between and reads the row twice).
+            # Written as one reduction (lse, argmax) and one pointwise pass over the logits, so
+            # that compiled, each reads the GEMM's bf16 output and upcasts in registers: no fp32
+            # [rows, V] copy and no scatter into one (each a full pass), except the KL's
+            # scatter of the teacher's top-k when it is on.
             logits = (hidden[rows] @ head_weight.t()).float()
             w = weights[rows].float()
-            peak = logits.amax(-1, keepdim=True)
-            shifted = logits - peak
-            exp_sum = shifted.exp().sum(-1, keepdim=True)
-            lse = peak + exp_sum.log()
-            probs = shifted.exp() / exp_sum
+            lse = logits.logsumexp(-1, keepdim=True)
+            probs = (logits - lse).exp()
             # d/dlogits of sum_i w_i (ce * nll_i + kl * kl_i): w * ((ce + kl) * p - ce * onehot - kl * teacher)
             grad_logits = (ce_weight + kl_weight) * w[:, None] * probs
             if ce_weight:
