@@ -29,7 +29,7 @@ H200_GIB = 139.8  # usable memory of one H200 as torch reports it
 # Utilisation measured on one H200 at the Qwen3-8B shapes (BENCHMARKS.md, 2026-11-30): the
 # compiled prefill and the reduce-overhead drafter step. Rates for other shapes follow from
 # their FLOPs at the same utilisation, unless a `dflash.bench` report is given.
-MEASURED_MFU = {"target": 0.772, "drafter": 0.701}
+MEASURED_MFU = {"target": 0.772, "drafter": 0.697}
 PEAK_FLOPS = 790e12
 
 
@@ -47,7 +47,7 @@ def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: 
         6 * attention_linear * d.num_layers * tq
         + 6 * mlp * ((d.num_layers - 1) * tq + num_anchors * (d.block_size - 1))
         + 6 * (2 * h * kv) * d.num_layers * seq_len
-        + 6 * (len(d.target_layer_ids) * h * h) * seq_len
+        + 4 * (len(d.target_layer_ids) * h * h) * seq_len
         + 4 * h * vocab_size * num_anchors * (d.block_size - 1)
         + 12 * q * ((seq_len - d.block_size) / 2 + d.block_size) * tq * d.num_layers
     )
@@ -171,9 +171,10 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
         target_gib["evaluation drafter"] = drafter_params * dtype_bytes / GIB
     queries = micro * plan.num_anchors * plan.block_size
     drafter_gib = {
-        # fp32 master weights and flat gradient buffer, and the gradients of one backward;
-        # under autocast, those gradients are of the bf16 compute weights (dflash.step.compute_copy)
-        "weights and gradients": (4 + 4 + (2 * dtype_bytes if cuda_plan else 4)) * drafter_params / GIB,
+        # fp32 master weights and gradient buffers; under autocast also the bf16 compute weights
+        # (dflash.step.compute_copy). The linear layers' backward adds into the buffers: no
+        # gradient of one backward is held beside them (dflash.linear).
+        "weights and gradients": (4 + 4 + (dtype_bytes if cuda_plan else 0)) * drafter_params / GIB,
         "AdamW state": 8 * drafter_params / GIB,
         "frozen embedding and LM head": head_params * dtype_bytes / GIB,
         # per query token and layer: projections, attention output, norms, the MLP's three

@@ -51,7 +51,7 @@ class _SinkLinear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         torch.ops.dflash.add_weight_grad(ctx.sink, grad.flatten(0, -2), x.flatten(0, -2))
-        return grad @ weight, None, None
+        return grad @ weight if ctx.needs_input_grad[0] else None, None, None
 
 
 class Linear(nn.Linear):

@@ -33,11 +33,12 @@ def default_gamma(block_size: int) -> float:
 def teacher_at(
     label_positions: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-k (indices, logits) that teach each block slot, ``[rows, k]``.
+    """The target's top-k (indices, logits) that teach each drafted slot, ``[rows, k]``.
 
     Slot k of a block is labelled with the token at position ``a + k``; the target
     predicts that token from position ``a + k - 1``, so its logits there are the
-    teacher. ``label_positions [b, n*B]`` are the ``a + k``.
+    teacher. ``label_positions [b, m]`` are the ``a + k`` of the drafted slots
+    (``m = n*(B-1)``, ``anchors.drafted``).
     """
     at = (label_positions - 1).clamp(min=0)[..., None]
     k = topk_indices.shape[-1]

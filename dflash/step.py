@@ -118,11 +118,14 @@ class DrafterTrainer:
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.compute = compute_copy(drafter, autocast_dtype) if autocast_dtype is not None else drafter
         self.compute_params = [p for p in self.compute.parameters() if p.requires_grad]
+        if drafter.config.block_size != objective.block_size:
+            raise ValueError(f"drafter block size {drafter.config.block_size} != loss block size {objective.block_size}")
         self.grads = [torch.zeros_like(p) for p in self.params]
         sink_of = {id(p): g for p, g in zip(self.compute_params, self.grads)}
-        for m in self.compute.modules():
-            if isinstance(m, Linear):
-                m.grad_sink = sink_of.pop(id(m.weight))
+        self.sinks = [(m, sink_of.pop(id(m.weight))) for m in self.compute.modules()
+                      if isinstance(m, Linear) and id(m.weight) in sink_of]
+        for m, g in self.sinks:
+            m.grad_sink = g
         self.via_autograd = [(p, g) for p, g in zip(self.compute_params, self.grads) if id(p) in sink_of]
         self.compiled = compile_settings is not None and compile_settings.drafter
         self.cuda_graphs = self.compiled and compile_settings.cuda_graphs
@@ -228,6 +231,11 @@ class DrafterTrainer:
         """Reduce over the drafter ``group`` (if any), normalise by the step's total
         weight, clip, update. Returns metrics, or ``None`` when every rank skips the
         step (no valid anchor anywhere, or a non-finite loss)."""
+        if any(m.grad_sink is not g for m, g in self.sinks):
+            raise RuntimeError(
+                "the drafter's gradient buffers were replaced (by .to(), .double() or a copy after the trainer "
+                "was built): its linear layers' gradients no longer reach the optimizer"
+            )
         s, self.stats = self.stats, self._fresh_stats()
         samples = torch.tensor([s.samples], dtype=torch.float32, device=self.device)
         sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted, samples, s.tokens[None]])

@@ -83,7 +83,7 @@ def test_reduce_overhead_equals_eager_with_accumulation():
 
 def test_nccl_initialises_and_reduces_the_drafter_gradients():
     """The NCCL path on one GPU: lazy init as dflash.protocol does it, a drafter group,
-    the flat all-reduce of a step (two NCCL ranks cannot share one GPU)."""
+    the gradient all-reduce of a step (two NCCL ranks cannot share one GPU)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from conftest import flat_grads, tiny_drafter, tiny_head
@@ -112,6 +113,21 @@ def test_micro_step_equals_a_float64_loss_over_every_block_slot():
     torch.testing.assert_close(trainer.stats.weight_sum.double(), blocks.weights.double().sum(), rtol=1e-6, atol=0)
     grads = torch.cat([p.grad.flatten() for p in ref.parameters()])
     torch.testing.assert_close(flat_grads(trainer).double(), grads, rtol=1e-4, atol=1e-6)
+
+
+def test_replaced_gradient_buffers_are_refused():
+    """Without autocast the buffers sit on the drafter's own linear layers: a later
+    ``.double()`` swaps them for copies, and the optimizer would see only the norms train."""
+    trainer = make_trainer(tiny_drafter(block_size=BS))
+    trainer.micro_step(*batch(rows=[0, 1], lengths=[32, 20]))
+    trainer.drafter.double()
+    with pytest.raises(RuntimeError, match="gradient buffers were replaced"):
+        trainer.finish()
+
+
+def test_drafter_and_loss_must_agree_on_the_block_size():
+    with pytest.raises(ValueError, match="block size"):
+        make_trainer(tiny_drafter(block_size=BS + 1))
 
 
 def test_accumulation_equals_one_big_micro_batch():
