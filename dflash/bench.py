@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash.build import Job, build_job, build_trainer, compose_config, warm_drafter
-from dflash.bundle import random_batch, random_prefill, to_device
+from dflash.bundle import random_batch, random_prefill
 from dflash.checkpoint import save_checkpoint
 from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.estimate import drafter_flops, prefill_flops
@@ -252,8 +252,8 @@ class Bench:
 
         def step() -> None:
             for _ in range(self.accumulation):
-                batch = self.batches[next(calls) % len(self.batches)]
-                self.trainer.micro_step(batch, self.target.prefill(to_device(batch.input_ids, self.device), self.topk))
+                batch = self.batches[next(calls) % len(self.batches)].to(self.device)
+                self.trainer.micro_step(batch, self.target.prefill(batch.input_ids, self.topk))
             self.trainer.finish()
 
         step()

@@ -161,11 +161,13 @@ class TargetSide:
     device: torch.device
 
     def produce(self, m: int) -> tuple[MicroBatch, PrefillOutput]:
-        """Global micro-batch ``m``: collate (anchors drawn on the host), then prefill."""
+        """Global micro-batch ``m``: collate (anchors drawn on the host), move it to the
+        device once (the prefill, the send and the drafter step all read it there), then
+        prefill."""
         epoch, indices = self.order.micro_batch(m)
         batch = collate(self.dataset, epoch, indices, list(self.plan.buckets), self.pad_id, self.plan.anchor_spec())
-        prefill = self.target.prefill(to_device(batch.input_ids, self.device), self.plan.topk)
-        return batch, prefill
+        batch = batch.to(self.device)
+        return batch, self.target.prefill(batch.input_ids, self.plan.topk)
 
     def warm(self) -> None:
         """One prefill per length bucket, so every compiled shape exists before data flows."""

@@ -126,7 +126,9 @@ class DrafterTrainer:
                       if isinstance(m, Linear) and id(m.weight) in sink_of]
         for m, g in self.sinks:
             m.grad_sink = g
-        self.via_autograd = [(p, g) for p, g in zip(self.compute_params, self.grads) if id(p) in sink_of]
+        # the rest (norm weights) get a .grad from autograd, added to their buffers after each backward
+        rest = [(p, g) for p, g in zip(self.compute_params, self.grads) if id(p) in sink_of]
+        self.autograd_params, self.autograd_grads = [p for p, _ in rest], [g for _, g in rest]
         self.compiled = compile_settings is not None and compile_settings.drafter
         self.cuda_graphs = self.compiled and compile_settings.cuda_graphs
         self.forward_loss = compile_settings.compile(self._forward_loss) if self.compiled else self._forward_loss
@@ -203,9 +205,8 @@ class DrafterTrainer:
         s.correct += correct
         s.counted += counted
         loss_sum.backward()
-        params, grads = zip(*self.via_autograd)
-        torch._foreach_add_(grads, [p.grad for p in params])
-        for p in params:
+        torch._foreach_add_(self.autograd_grads, [p.grad for p in self.autograd_params])
+        for p in self.autograd_params:
             p.grad = None
 
     def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
