@@ -29,6 +29,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
@@ -39,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash.build import Job, build_job, build_trainer, compose_config, warm_drafter
-from dflash.bundle import random_batch, random_prefill
+from dflash.bundle import MicroBatch, random_batch, random_prefill
 from dflash.checkpoint import save_checkpoint
 from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
 from dflash.estimate import drafter_flops, prefill_flops
@@ -47,7 +48,7 @@ from dflash.model import TargetHead
 from dflash.protocol import free_port, get_bytes, put_bytes, set_rank_env
 from dflash.roles import peak_memory_gib
 from dflash.step import DrafterTrainer
-from dflash.target import RANDOM, Target, random_target
+from dflash.target import RANDOM, PrefillOutput, Target, random_target
 from dflash.transport import BundleReceiver, BundleSender
 
 log = logging.getLogger("dflash.bench")
@@ -77,7 +78,9 @@ def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
 
 
 def profile_table(fn: Callable[[], None], device: torch.device, calls: int = 3) -> str:
-    """Where the time of ``fn`` goes: the torch profiler's top operators by device time."""
+    """Where the time of ``fn`` goes: the torch profiler's top operators by device time,
+    under a line that says how much of the device's time ran kernels (the rest, gaps
+    between them, is time the host or a wait left the device idle)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -87,7 +90,13 @@ def profile_table(fn: Callable[[], None], device: torch.device, calls: int = 3) 
         if device.type == "cuda":
             torch.cuda.synchronize()
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+    kernels = [e.time_range for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if not kernels:
+        return table
+    busy = sum(r.elapsed_us() for r in kernels) / 1e3
+    span = (max(r.end for r in kernels) - min(r.start for r in kernels)) / 1e3
+    return f"kernels ran {busy:.1f} ms of the device's {span:.1f} ms from the first to the last ({100 * busy / span:.1f}%)\n{table}"
 
 
 def compile_breakdown(top: int = 10) -> dict[str, float]:
@@ -250,20 +259,59 @@ class Bench:
         calls = iter(range(10**9))
         reset_memory(self.device)
 
+        def micro_batch() -> tuple[MicroBatch, PrefillOutput]:
+            batch = self.batches[next(calls) % len(self.batches)].to(self.device)
+            return batch, self.target.prefill(batch.input_ids, self.topk)
+
         def step() -> None:
             for _ in range(self.accumulation):
-                batch = self.batches[next(calls) % len(self.batches)].to(self.device)
-                self.trainer.micro_step(batch, self.target.prefill(batch.input_ids, self.topk))
+                self.trainer.micro_step(*micro_batch())
             self.trainer.finish()
 
         step()
         seconds = timed(step, self.steps, self.device) / self.accumulation
-        return {
+        if self.profile == "colocated":
+            self.profile_table = profile_table(step, self.device)
+        row = {
             "role": "colocated",
             "mode": "compiled" if self.trainer.compiled else "eager",
             "step_ms": round(1e3 * seconds, 2),
             "samples_per_s": round(self.micro / seconds, 2),
             "peak_gib": peak_memory_gib(self.device),
+        }
+        if self.device.type == "cuda":
+            row.update(self.colocated_phases(micro_batch))
+        return row
+
+    def colocated_phases(self, micro_batch: Callable[[], tuple[MicroBatch, PrefillOutput]]) -> dict:
+        """One more colocated step, cut by CUDA events: the device's milliseconds per
+        micro-batch from the prefill's launch to the drafter's, from there to the end of
+        its backward, and from there to the next prefill; and where the host waited for
+        the device (each wait idles the device while the host catches up)."""
+        marks = []
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as syncs:
+                warnings.simplefilter("always")
+                for _ in range(self.accumulation):
+                    events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                    events[0].record()
+                    batch, prefill = micro_batch()
+                    events[1].record()
+                    self.trainer.micro_step(batch, prefill)
+                    events[2].record()
+                    marks.append(events)
+                self.trainer.finish()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        n = len(marks)
+        between = [a[2].elapsed_time(b[0]) for a, b in zip(marks, marks[1:])]
+        return {
+            "prefill_ms": round(sum(m[0].elapsed_time(m[1]) for m in marks) / n, 2),
+            "drafter_ms": round(sum(m[1].elapsed_time(m[2]) for m in marks) / n, 2),
+            "between_ms": round(sum(between) / max(1, len(between)), 2),
+            "host_syncs": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs if "synchroniz" in str(w.message)}),
         }
 
 
@@ -443,6 +491,10 @@ def format_report(report: dict) -> str:
         if r.get("compile_s"):
             stages = ", ".join(f"{k} {v} s" for k, v in r["compile_s"].items())
             lines.append(f"drafter {r['mode']} warmup {r['warmup_s']} s (FX cache {r['fx_cache']}); compile stages: {stages}")
+        if r["role"] == "colocated" and "prefill_ms" in r:
+            syncs = ", ".join(r["host_syncs"]) or "none"
+            lines.append(f"colocated, per micro-batch on the device: prefill {r['prefill_ms']} ms, drafter "
+                         f"{r['drafter_ms']} ms, to the next prefill {r['between_ms']} ms; host waits: {syncs}")
         if r["role"] == "checkpoint":
             lines.append(f"checkpoint of drafter + optimizer, {r['gib']} GiB: save {r['save_s']} s, load {r['load_s']} s")
     return head + "\n" + "\n".join(lines)
@@ -456,7 +508,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200 measured: 790)")
     parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
     parser.add_argument("--p2p", action="store_true", help="measure bundle bandwidth between two local ranks instead")
-    parser.add_argument("--profile", choices=list(MODES), help="also profile the drafter step of this mode")
+    parser.add_argument("--profile", choices=[*MODES, "colocated"],
+                        help="also profile the drafter step of this mode, or the colocated step")
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step in the drafter and colocated rows")
     parser.add_argument("--checkpoint", metavar="DIR", help="also time a checkpoint save and load under DIR")
@@ -475,7 +528,8 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(format_report(report))
     if report.get("profile"):
-        print(f"drafter step, {args.profile}, profiled over 3 steps:\n{report['profile']}")
+        what = "colocated step" if args.profile == "colocated" else f"drafter step, {args.profile},"
+        print(f"{what} profiled over 3 steps:\n{report['profile']}")
     print(f"written to {args.out}")
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import dflash.xent  # noqa: F401  (registers torch.ops.dflash.softmax_xent)
+
 
 def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
     """``w_k = exp(-(k-1)/gamma)`` for block slot k >= 1; slot 0 (the anchor) has no loss."""
@@ -56,32 +58,30 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def forward(ctx, hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size):
         total = hidden.new_zeros((), dtype=torch.float32)
         grads, predictions = [], []
-        vocab = torch.arange(head_weight.shape[0], device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
-            # Written as one reduction (lse, argmax) and one pointwise pass over the logits, so
-            # that compiled, each reads the GEMM's bf16 output and upcasts in registers: no fp32
-            # [rows, V] copy and no scatter into one (each a full pass), except the KL's
-            # scatter of the teacher's top-k when it is on.
-            logits = (hidden[rows] @ head_weight.t()).float()
+            logits = hidden[rows] @ head_weight.t()
             w = weights[rows].float()
-            lse = logits.logsumexp(-1, keepdim=True)
-            probs = (logits - lse).exp()
             # d/dlogits of sum_i w_i (ce * nll_i + kl * kl_i): w * ((ce + kl) * p - ce * onehot - kl * teacher)
-            grad_logits = (ce_weight + kl_weight) * w[:, None] * probs
+            lse, label_logit, argmax, grad_logits = torch.ops.dflash.softmax_xent(
+                logits, labels[rows], (ce_weight + kl_weight) * w, ce_weight * w
+            )
             if ce_weight:
-                label = labels[rows, None]
-                nll = (lse - logits.gather(1, label)).squeeze(1)
-                total = total + ce_weight * (w * nll).sum()
-                grad_logits = grad_logits - torch.where(vocab == label, ce_weight * w[:, None], 0.0)
+                total = total + ce_weight * (w * (lse - label_logit)).sum()
             if kl_weight:
+                # The teacher's top-k columns get their exact gradient, rounded once.
+                idx = teacher_idx[rows]
                 t_log_probs = teacher_logits[rows].float().log_softmax(-1)
                 t_probs = t_log_probs.exp()
-                kl = (t_probs * (t_log_probs - (logits.gather(1, teacher_idx[rows]) - lse))).sum(-1)
+                log_probs = logits.gather(1, idx).float() - lse[:, None]
+                kl = (t_probs * (t_log_probs - log_probs)).sum(-1)
                 total = total + kl_weight * (w * kl).sum()
-                grad_logits = grad_logits.scatter_add(1, teacher_idx[rows], -kl_weight * w[:, None] * t_probs)
+                at_idx = (ce_weight + kl_weight) * w[:, None] * log_probs.exp()
+                at_idx = at_idx - torch.where(idx == labels[rows, None], ce_weight * w[:, None], 0.0)
+                at_idx = at_idx - kl_weight * w[:, None] * t_probs
+                grad_logits.scatter_(1, idx, at_idx.to(grad_logits.dtype))
             grads.append((grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype))
-            predictions.append(logits.argmax(-1))
+            predictions.append(argmax)
         grad_hidden, predictions = torch.cat(grads), torch.cat(predictions)
         ctx.save_for_backward(grad_hidden)
         ctx.mark_non_differentiable(predictions)
