@@ -61,6 +61,24 @@ class DrafterConfig:
         return asdict(self)
 
 
+@torch.library.custom_op("dflash::rope_cos_sin", mutates_args=())
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` of ``positions x inv_freq``, ``[*positions.shape, 2 * len(inv_freq)]``.
+
+    A custom op so that, compiled, the tables are computed once and read by every
+    layer: as plain operations Inductor fused them into each consumer kernel, where
+    the cos and sin were evaluated again for every head, forward and backward."""
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+@rope_cos_sin.register_fake
+def _(positions, inv_freq, dtype):
+    shape = (*positions.shape, 2 * inv_freq.shape[0])
+    return positions.new_empty(shape, dtype=dtype), positions.new_empty(shape, dtype=dtype)
+
+
 class RotaryEmbedding(nn.Module):
     """Standard (non-scaled) RoPE as in Qwen3, computed for arbitrary position ids."""
 
@@ -70,9 +88,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+        cos, sin = torch.ops.dflash.rope_cos_sin(positions, self.inv_freq, dtype)
+        return cos[:, None], sin[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -152,3 +152,19 @@ def test_compile_threads_are_shared_by_the_ranks_of_a_turn(monkeypatch):
     assert inductor.compile_threads == 4
     share_compile_threads(1)  # compiling alone: every core
     assert inductor.compile_threads == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_tables_equal_the_formula_eager_and_compiled(dtype):
+    """``dflash::rope_cos_sin`` hides the tables from Inductor's fusion, not from the
+    math: both ways they are cos and sin of positions x inv_freq, bit for bit."""
+    from dflash.model import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 1e6)
+    positions = torch.randint(0, 40000, (2, 37))
+    freqs = positions.float()[..., None] * rope.inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    expected = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    compiled = torch.compile(lambda p: rope(p, dtype), backend="aot_eager", fullgraph=True)
+    for got in (rope(positions, dtype), compiled(positions)):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
