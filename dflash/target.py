@@ -9,6 +9,7 @@ serving engines' ``target_layer_ids``.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -73,6 +74,29 @@ def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
     return configured
 
 
+def prepared_causal_masks(model: nn.Module) -> dict[str, None] | None:
+    """The masks to hand the decoder ready-made, or None where it must build its own.
+
+    A right-padded batch without an attention mask or a cache needs no mask tensor:
+    HF's mask construction ends in SDPA's ``is_causal`` path (a None mask). But on the
+    way it checks the position ids for packed sequences, and that check makes the
+    host wait for the device once per prefill; the device then idles while the host
+    launches the prefill's first layers (0.6-0.8 ms per prefill on the H200 at
+    Qwen3-8B shapes). Decoders that take a prepared mapping of layer type to mask,
+    as ``generate`` hands them (Qwen2, Qwen3, ...), get the None mask directly:
+    only under SDPA, where None means causal, and only when every layer attends
+    fully (a sliding window needs a real mask)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or set(types) != {"full_attention"}:
+        return None
+    try:
+        takes_mapping = "causal_mask_mapping := attention_mask" in inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        takes_mapping = False
+    return {"full_attention": None} if takes_mapping else None
+
+
 class _AllCaptured(Exception):
     """Raised by the last capture hook to end a prefill whose layers beyond are not needed."""
 
@@ -92,6 +116,7 @@ class Target:
         self._captured: dict[int, torch.Tensor] = {}
         self._capturing = False
         self._stop_after: int | None = None
+        self._masks = prepared_causal_masks(model)
         for i in set(layer_ids):
             layers[i].register_forward_hook(self._hook(i))
 
@@ -147,14 +172,14 @@ class Target:
         self._capturing = True
         try:
             if topk:
-                out = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=0)
+                out = self.model(input_ids=input_ids, attention_mask=self._masks, use_cache=False, logits_to_keep=0)
                 values, indices = out.logits.float().topk(topk, dim=-1)
             else:
                 # Without the logits, nothing after the last captured layer is needed: for
                 # Qwen3-8B (ids up to 33 of 36) two layers and the final norm are skipped.
                 self._stop_after = max(self.layer_ids)
                 try:
-                    self.model.get_decoder()(input_ids=input_ids, use_cache=False)
+                    self.model.get_decoder()(input_ids=input_ids, attention_mask=self._masks, use_cache=False)
                 except _AllCaptured:
                     pass
                 values = indices = None

@@ -138,3 +138,28 @@ def test_random_target_takes_a_separate_tokenizer(tmp_path):
             torch.device("cpu"), torch.float32)
     with pytest.raises(FileNotFoundError, match="not a local tokenizer directory"):
         TargetSource("random", shape={**SMALL_SHAPE, "vocab_size": 512}, tokenizer_path=str(tmp_path)).tokenizer()
+
+
+def test_prepared_masks_give_the_features_of_the_masks_the_decoder_builds():
+    """A Qwen3 decoder under SDPA gets its masks prepared (no host sync per prefill) and
+    yields the same features and logits; a decoder that builds its own (Llama) or
+    eager attention, where a None mask would mean no mask at all, is left to build them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.target import prepared_causal_masks
+
+    model = tiny_target()
+    target = Target(model, [1, 3])
+    assert target._masks == {"full_attention": None}
+    ids = torch.randint(0, 90, (2, 13))
+    prepared = target.prefill(ids), target.prefill(ids, topk=4)
+    target._masks = None
+    built = target.prefill(ids), target.prefill(ids, topk=4)
+    for a, b in zip(prepared, built):
+        assert torch.equal(a.features, b.features)
+    assert torch.equal(prepared[1].topk_values, built[1].topk_values)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    assert prepared_causal_masks(llama) is None
+    model.config._attn_implementation = "eager"
+    assert prepared_causal_masks(model) is None
