@@ -29,7 +29,7 @@ H200_GIB = 139.8  # usable memory of one H200 as torch reports it
 # Utilisation measured on one H200 at the Qwen3-8B shapes (BENCHMARKS.md, 2026-11-30): the
 # compiled prefill and the reduce-overhead drafter step. Rates for other shapes follow from
 # their FLOPs at the same utilisation, unless a `dflash.bench` report is given.
-MEASURED_MFU = {"target": 0.772, "drafter": 0.697}
+MEASURED_MFU = {"target": 0.796, "drafter": 0.727}
 PEAK_FLOPS = 790e12
 
 
