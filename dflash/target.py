@@ -81,7 +81,7 @@ def prepared_causal_masks(model: nn.Module) -> dict[str, None] | None:
     HF's mask construction ends in SDPA's ``is_causal`` path (a None mask). But on the
     way it checks the position ids for packed sequences, and that check makes the
     host wait for the device once per prefill; the device then idles while the host
-    launches the prefill's first layers (0.6-0.8 ms per prefill on the H200 at
+    launches the prefill's first layers (0.6-1.1 ms per prefill on the H200 at
     Qwen3-8B shapes). Decoders that take a prepared mapping of layer type to mask,
     as ``generate`` hands them (Qwen2, Qwen3, ...), get the None mask directly:
     only under SDPA, where None means causal, and only when every layer attends

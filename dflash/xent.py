@@ -64,7 +64,7 @@ def softmax_xent_reference(
 
 def _softmax_xent_triton(logits, labels, row_scale, label_scale):
     kernels = _triton()
-    logits = logits.contiguous()
+    logits, labels = logits.contiguous(), labels.contiguous()
     rows, vocab = logits.shape
     lse = logits.new_empty(rows, dtype=torch.float32)
     label_logit = torch.empty_like(lse)
@@ -75,7 +75,7 @@ def _softmax_xent_triton(logits, labels, row_scale, label_scale):
             logits, labels, lse, label_logit, argmax, vocab, BLOCK=STATS_BLOCK, STAGES=STATS_STAGES, num_warps=STATS_WARPS
         )
         kernels.logits_grad[(rows, -(-vocab // GRAD_BLOCK))](
-            logits, labels, lse, row_scale.float(), label_scale.float(), grad, vocab,
+            logits, labels, lse, row_scale.float().contiguous(), label_scale.float().contiguous(), grad, vocab,
             BLOCK=GRAD_BLOCK, num_warps=GRAD_WARPS,
         )
     return lse, label_logit, argmax, grad
