@@ -43,10 +43,14 @@ def resolve_path(path: str) -> Path:
     return resolved
 
 
+def decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack of an HF causal LM (``model.model`` for Llama/Qwen)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder-layer list of an HF causal LM (``model.model.layers`` for Llama/Qwen)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(decoder(model), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
     return layers
@@ -86,12 +90,11 @@ def prepared_causal_masks(model: nn.Module) -> dict[str, None] | None:
     as ``generate`` hands them (Qwen2, Qwen3, ...), get the None mask directly:
     only under SDPA, where None means causal, and only when every layer attends
     fully (a sliding window needs a real mask)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or set(types) != {"full_attention"}:
         return None
     try:
-        takes_mapping = "causal_mask_mapping := attention_mask" in inspect.getsource(type(decoder).forward)
+        takes_mapping = "causal_mask_mapping := attention_mask" in inspect.getsource(type(decoder(model)).forward)
     except (OSError, TypeError):
         takes_mapping = False
     return {"full_attention": None} if takes_mapping else None
@@ -179,7 +182,7 @@ class Target:
                 # Qwen3-8B (ids up to 33 of 36) two layers and the final norm are skipped.
                 self._stop_after = max(self.layer_ids)
                 try:
-                    self.model.get_decoder()(input_ids=input_ids, attention_mask=self._masks, use_cache=False)
+                    decoder(self.model)(input_ids=input_ids, attention_mask=self._masks, use_cache=False)
                 except _AllCaptured:
                     pass
                 values = indices = None
