@@ -39,17 +39,23 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash.build import Job, build_job, build_trainer, compose_config, warm_drafter
-from dflash.bundle import MicroBatch, random_batch, random_prefill
-from dflash.checkpoint import save_checkpoint
-from dflash.compile import compile_counts, share_compile_threads, staggered_warmup, warmup_turn
-from dflash.estimate import drafter_flops, prefill_flops
-from dflash.model import TargetHead
-from dflash.protocol import free_port, get_bytes, put_bytes, set_rank_env
-from dflash.roles import peak_memory_gib
-from dflash.step import DrafterTrainer
-from dflash.target import RANDOM, PrefillOutput, Target, random_target
-from dflash.transport import BundleReceiver, BundleSender
+from dflash.compile import (
+    compile_counts,
+    share_compile_threads,
+    staggered_warmup,
+    warmup_turn,
+)
+from dflash.data.bundle import MicroBatch, random_batch, random_prefill
+from dflash.device import peak_memory_gib, synchronize
+from dflash.distributed.protocol import free_port, get_bytes, put_bytes, set_rank_env
+from dflash.distributed.transport import BundleReceiver, BundleSender
+from dflash.model.drafter import TargetHead
+from dflash.model.target import RANDOM, PrefillOutput, Target, random_target
+from dflash.run.build import Job, build_job, build_trainer, warm_drafter
+from dflash.run.checkpoint import save_checkpoint
+from dflash.run.config import compose_config
+from dflash.run.estimate import drafter_flops, prefill_flops
+from dflash.run.step import DrafterTrainer
 
 log = logging.getLogger("dflash.bench")
 
@@ -68,12 +74,11 @@ def bench_job(overrides: list[str]) -> Job:
 
 def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
     """Seconds per call, over ``steps`` calls after the caller's warmup."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         fn()
-    sync()
+    synchronize(device)
     return (time.perf_counter() - start) / steps
 
 
@@ -116,14 +121,13 @@ def fx_cache(before: dict[str, int], after: dict[str, int]) -> str:
 
 
 def time_checkpoint(trainer: DrafterTrainer, root: Path) -> dict:
-    """Save and load the drafter with its optimizer state through :mod:`dflash.checkpoint`."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
+    """Save and load the drafter with its optimizer state through :mod:`dflash.run.checkpoint`."""
+    synchronize(trainer.device)
     began = time.perf_counter()
     path = save_checkpoint(root, 1, trainer.drafter, trainer.optimizer, trainer.scheduler, keep=1)
     saved = time.perf_counter()
     trainer.restore(path)
-    sync()
+    synchronize(trainer.device)
     loaded = time.perf_counter()
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     return {"role": "checkpoint", "mode": "dcp", "gib": round(size / 2**30, 2), "save_s": round(saved - began, 2),
@@ -402,13 +406,12 @@ def _p2p_worker(rank: int, port: int, overrides: list[str], rounds: int, result_
     if device.type == "cuda":
         if torch.cuda.device_count() < 2:
             raise RuntimeError("--p2p on CUDA needs two GPUs (NCCL cannot put two ranks on one GPU)")
-        dist.init_process_group("nccl")  # lazy, as the trainer does (dflash.protocol says why)
+        dist.init_process_group("nccl")  # lazy, as the trainer does (dflash.distributed.protocol says why)
     else:
         dist.init_process_group("gloo")
     group = dist.new_group([0, 1])
     vocab = job.target_config.get_text_config().vocab_size
     batch = random_batch(plan.micro_batch_size, plan.max_len, vocab, plan.anchor_spec())
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     result = {}
     if rank == 0:
         prefill = random_prefill(plan.micro_batch_size, plan.max_len, plan.feature_dim, dtype, plan.topk, vocab, device)
@@ -419,11 +422,11 @@ def _p2p_worker(rank: int, port: int, overrides: list[str], rounds: int, result_
     else:
         receiver = BundleReceiver({0: group}, device, replace(plan, buckets=(plan.max_len,)).expected(dtype))
         receiver.receive(0, 0)  # first contact sets up the communicator
-        sync()
+        synchronize(device)
         start, first_bytes = time.perf_counter(), receiver.bytes_received
         for m in range(1, rounds + 1):
             receiver.receive(0, m)
-        sync()
+        synchronize(device)
         seconds = time.perf_counter() - start
         per_bundle = (receiver.bytes_received - first_bytes) / rounds
         result.update(bundle_mb=round(per_bundle / 1e6, 2), bundle_ms=round(1e3 * seconds / rounds, 3),
@@ -435,12 +438,12 @@ def _p2p_worker(rank: int, port: int, overrides: list[str], rounds: int, result_
     op = dist.isend if rank == 0 else dist.irecv
     for w in dist.batch_isend_irecv([dist.P2POp(op, raw, 1 - rank, group=group)]):  # warm
         w.wait()
-    sync()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(rounds):
         for w in dist.batch_isend_irecv([dist.P2POp(op, raw, 1 - rank, group=group)]):
             w.wait()
-    sync()
+    synchronize(device)
     if rank == 1:
         result["raw_gb_per_s"] = round(raw.numel() * rounds / (time.perf_counter() - start) / 1e9, 2)
         result["fraction_of_raw"] = round(result["bundle_gb_per_s"] / result["raw_gb_per_s"], 3)

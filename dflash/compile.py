@@ -14,7 +14,7 @@ compiled (FX graphs, AOTAutograd entries and, on CUDA, the Triton kernels they
 bundle) is serialised with ``torch.compiler.save_cache_artifacts`` and handed to
 the ranks of later turns, which load it into their own cache and warm up in
 seconds instead of all ranks compiling everything at once. The bytes travel over
-the job's control plane (:mod:`dflash.protocol`), so nodes need no shared
+the job's control plane (:mod:`dflash.distributed.protocol`), so nodes need no shared
 filesystem; ranks must still share the device index (every rank sees its GPU as
 ``cuda:0``, see ``launch.sh``), which is part of the cache key.
 

@@ -54,11 +54,11 @@ from torch import nn
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from dflash.build import compose_config, pick_device, target_source
-from dflash.data import BadRecord, conversation_turns, iter_records, parse_turn
-from dflash.eval import decoding_attention, encode_prompt, stop_ids
-from dflash.roles import peak_memory_gib
-from dflash.target import RANDOM, TargetSource
+from dflash.data.dataset import BadRecord, conversation_turns, iter_records, parse_turn
+from dflash.decode.speculative import decoding_attention, encode_prompt, stop_ids
+from dflash.device import peak_memory_gib, pick_device, synchronize
+from dflash.model.target import RANDOM, TargetSource
+from dflash.run.config import compose_config, target_source
 
 log = logging.getLogger("dflash.regenerate")
 
@@ -142,7 +142,7 @@ class Conversation:
 
 
 def source_turns(record: object) -> list[dict[str, str]]:
-    """The turns of a record of any shape :mod:`dflash.data` reads. Unlike training
+    """The turns of a record of any shape :mod:`dflash.data.dataset` reads. Unlike training
     (``parse_messages``), a record needs no reply and may hold empty ones: they are
     replaced, and a bare prompt is the common input."""
     turns = [parse_turn(turn) for turn in conversation_turns(record)]
@@ -699,7 +699,6 @@ def bench(cfg: DictConfig, prompts: int, batch_size: int, prompt_len: int, sampl
     ids = torch.randint(vocab, (prompts, prompt_len), generator=torch.Generator().manual_seed(sampling.seed))
     config = generation_config(model, sampling, model.generation_config.eos_token_id, 0)
     config.min_new_tokens = sampling.max_new_tokens
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run(batch: torch.Tensor, config: GenerationConfig) -> int:
         batch = batch.to(device)
@@ -712,10 +711,10 @@ def bench(cfg: DictConfig, prompts: int, batch_size: int, prompt_len: int, sampl
     run(ids[:batch_size], warm)  # kernels chosen and memory pooled before the clock starts
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    sync()
+    synchronize(device)
     began = time.perf_counter()
     generated = sum(run(ids[i : i + batch_size], config) for i in range(0, prompts, batch_size))
-    sync()
+    synchronize(device)
     seconds = time.perf_counter() - began
     return {
         "target": cfg.target.name, "path": source.path,

@@ -10,8 +10,8 @@ themselves. Both walk the same deterministic schedule, so they train
 identically. At the end the drafter is exported in the z-lab HF layout and
 evaluated with real speculative decoding on held-out prompts.
 
-This module only chooses the role: :mod:`dflash.build` turns the config into
-parts, :mod:`dflash.roles` runs them.
+This module only chooses the role: :mod:`dflash.run.build` turns the config into
+parts, :mod:`dflash.run.roles` runs them.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.build import build_job, build_topology, timeouts
 from dflash.compile import assert_main_thread
-from dflash.estimate import PlanError, check_fits, estimate, format_estimate
-from dflash.live_eval import live_eval_settings
-from dflash.metrics import require_wandb
-from dflash.protocol import Protocol
-from dflash.roles import run_colocated, run_drafter_rank, run_target_rank
-from dflash.topology import Topology, TopologyError
+from dflash.decode.live import live_eval_settings
+from dflash.distributed.protocol import Protocol
+from dflash.distributed.topology import Topology, TopologyError
+from dflash.run.build import build_job, build_topology, timeouts
+from dflash.run.config import config_dir
+from dflash.run.estimate import PlanError, check_fits, estimate, format_estimate
+from dflash.run.metrics import require_wandb
+from dflash.run.roles import run_colocated, run_drafter_rank, run_target_rank
 
 log = logging.getLogger("dflash.train")
 
@@ -96,7 +97,7 @@ def train(cfg: DictConfig) -> dict:
     return summary
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     train(cfg)
 

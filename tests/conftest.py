@@ -1,10 +1,11 @@
+"""Suite-wide set-up: W&B off, GPU tests skipped without CUDA, the one-thread fixture.
+
+Shared builders live in ``helpers.py`` and ``runs.py`` (importable by every test module)."""
+
 import os
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
-
-from dflash.model import DFlashDrafter, DrafterConfig, TargetHead
 
 os.environ.setdefault("WANDB_MODE", "disabled")
 
@@ -18,50 +19,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 96, seed: int = 0) -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
-
-
-def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_size: int = 4, seed: int = 0) -> DFlashDrafter:
-    torch.manual_seed(seed)
-    cfg = DrafterConfig(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden // 4,
-        vocab_size=vocab,
-        num_target_layers=6,
-        target_layer_ids=list(layer_ids),
-        mask_token_id=vocab - 1,
-        block_size=block_size,
-    )
-    return DFlashDrafter(cfg)
-
-
-def flat_grads(trainer) -> torch.Tensor:
-    """A trainer's accumulated gradients, all parameters in order, as one vector."""
-    return torch.cat([g.flatten() for g in trainer.grads])
-
-
-def tiny_head(hidden: int = 64, vocab: int = 96, seed: int = 0) -> TargetHead:
-    g = torch.Generator().manual_seed(seed)
-    return TargetHead(torch.randn(vocab, hidden, generator=g), torch.randn(vocab, hidden, generator=g) * 0.1)
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     """Models this small are dispatch-bound: extra threads only add sync cost on shared cores."""
@@ -69,23 +26,3 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def word_tokenizer(vocab_size: int = 96):
-    """A word-level tokenizer with a Qwen-style chat template, built in memory (no files)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
-    vocab = specials + ["\n", "user", "assistant"] + [f"w{i}" for i in range(vocab_size - 8)]
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(vocab)}, unk_token="<|unk|>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.add_special_tokens(specials)
-    backend.add_tokens(["\n"])
-    template = (
-        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<|unk|>", chat_template=template
-    )

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from dflash.build import compose_config as compose_cfg
-from dflash.protocol import free_port, set_rank_env
+from dflash.distributed.protocol import free_port, set_rank_env
+from dflash.run.config import compose_config as compose_cfg
 
 # Small enough for 2 CPU cores, big enough to exercise accumulation and every path.
 TINY = [

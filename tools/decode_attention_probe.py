@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from dflash.eval import decoding_attention
+from dflash.decode.speculative import decoding_attention
 
 
 def block_mask(queries: int, keys: int, device: torch.device) -> torch.Tensor:

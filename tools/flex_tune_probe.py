@@ -17,9 +17,9 @@ import time
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash.anchors import sample_anchors
 from dflash.bench import timed
-from dflash.masks import build_mask
+from dflash.objective.anchors import sample_anchors
+from dflash.objective.masks import build_mask
 
 # (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps); the backward's kernel
 # asserts BLOCK_N1 % BLOCK_M1 == 0 and BLOCK_M2 % BLOCK_N2 == 0

@@ -71,7 +71,7 @@ def rates(overrides: list[str], out: Path, env: dict, accumulation: int) -> dict
                "--accumulation", str(accumulation), "--out", str(out), *overrides]
     print("+", " ".join(command), flush=True)
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, **env})
-    from dflash.estimate import bench_rates  # imports torch: not needed for --help
+    from dflash.run.estimate import bench_rates  # imports torch: not needed for --help
 
     found = bench_rates(json.loads(out.read_text()))
     return {**found, "target_samples_per_s": round(found["target_samples_per_s"], 3)}

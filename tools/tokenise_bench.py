@@ -3,7 +3,7 @@
     python tools/tokenise_bench.py [--samples 100000] [--work DIR]
 
 Writes ``--samples`` conversations of the demo's counting task to one JSONL file,
-then loads it twice through ``dflash.data.load_dataset`` with one cache
+then loads it twice through ``dflash.data.dataset.load_dataset`` with one cache
 directory: the first load tokenises, checks and caches (cold), the second reads
 the cache (warm). Prints one JSON line with both times.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from dflash.data import load_dataset
-from dflash.target import resolve_path
+from dflash.data.dataset import load_dataset
+from dflash.model.target import resolve_path
 
 
 def write_conversations(path: Path, count: int) -> None:

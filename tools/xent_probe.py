@@ -17,8 +17,8 @@ import itertools
 
 import torch
 
-from dflash import xent
 from dflash.bench import timed
+from dflash.objective import xent
 
 BLOCKS = (1024, 2048, 4096)
 WARPS = (4, 8, 16)

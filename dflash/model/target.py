@@ -1,0 +1,340 @@
+"""The frozen target: loading, and a prefill that captures only the chosen layers.
+
+Hidden states are taken with forward hooks on the chosen decoder layers, so a
+prefill never keeps all ``L + 1`` hidden states the way ``output_hidden_states``
+does. Layer id ``i`` is the output of decoder layer ``i`` (HF
+``hidden_states[i + 1]``), the convention of the z-lab checkpoints and of the
+serving engines' ``target_layer_ids``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+
+from dflash.compile import CompileSettings
+from dflash.files import local_path
+from dflash.model.drafter import TargetHead
+
+MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
+
+
+RANDOM = "random"
+
+
+def resolve_path(path: str) -> Path:
+    """A local model directory; the shipped demo target is addressed as ``demo``."""
+    resolved = local_path("target", path)
+    if not (resolved / "config.json").is_file():
+        raise FileNotFoundError(
+            f"target.path={path!r} is not a local HF model directory (no config.json); "
+            "download the model first (e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir ...`)"
+        )
+    return resolved
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The decoder stack of an HF causal LM (``model.model`` for Llama/Qwen)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder-layer list of an HF causal LM (``model.model.layers`` for Llama/Qwen)."""
+    layers = getattr(decoder(model), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
+    return layers
+
+
+def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, configured: int | None) -> int:
+    """The mask id must be a row of the target embedding, or the drafter sees garbage."""
+    if configured is None and tokenizer is None:
+        raise ValueError(f"a target without a tokenizer needs target.mask_token_id (0 <= id < {vocab_size})")
+    if configured is None:
+        for tok in MASK_TOKEN_CANDIDATES:
+            tid = tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+                configured = tid
+                break
+        else:
+            raise ValueError(
+                "the tokenizer has no mask token; set target.mask_token_id to a reserved id "
+                f"inside the embedding (0 <= id < {vocab_size}), e.g. 151669 for Qwen3"
+            )
+    if not 0 <= configured < vocab_size:
+        raise ValueError(
+            f"target.mask_token_id={configured} is outside the target embedding (vocab_size={vocab_size})"
+        )
+    return configured
+
+
+def prepared_causal_masks(model: nn.Module) -> dict[str, None] | None:
+    """The masks to hand the decoder ready-made, or None where it must build its own.
+
+    A right-padded batch without an attention mask or a cache needs no mask tensor:
+    HF's mask construction ends in SDPA's ``is_causal`` path (a None mask). But on the
+    way it checks the position ids for packed sequences, and that check makes the
+    host wait for the device once per prefill; the device then idles while the host
+    launches the prefill's first layers (0.6-1.1 ms per prefill on the H200 at
+    Qwen3-8B shapes). Decoders that take a prepared mapping of layer type to mask,
+    as ``generate`` hands them (Qwen2, Qwen3, ...), get the None mask directly:
+    only under SDPA, where None means causal, and only when every layer attends
+    fully (a sliding window needs a real mask)."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or set(types) != {"full_attention"}:
+        return None
+    try:
+        takes_mapping = "causal_mask_mapping := attention_mask" in inspect.getsource(type(decoder(model)).forward)
+    except (OSError, TypeError):
+        takes_mapping = False
+    return {"full_attention": None} if takes_mapping else None
+
+
+@dataclass
+class PrefillOutput:
+    """What a prefill hands the drafter: the context features and, for the KL loss, the
+    target's top-k logits."""
+
+    features: torch.Tensor  # [b, S, n*H], the chosen layers' hidden states side by side
+    topk_values: torch.Tensor | None = None  # [b, S, k] target logits (for the KL loss)
+    topk_indices: torch.Tensor | None = None  # [b, S, k]
+
+
+class _AllCaptured(Exception):
+    """Raised by the last capture hook to end a prefill whose layers beyond are not needed."""
+
+
+class Target:
+    """A frozen HF causal LM that yields context features for the drafter."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int]):
+        self.model = model.eval().requires_grad_(False)
+        layers = decoder_layers(model)
+        # The last layer has no capture point in the serving engines (they capture
+        # before layer id+1) and HF applies the final norm to hidden_states[L].
+        bad = [i for i in layer_ids if not 0 <= i < len(layers) - 1]
+        if bad:
+            raise ValueError(f"target layer ids {bad} outside 0..{len(layers) - 2}")
+        self.layer_ids = list(layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capturing = False
+        self._stop_after: int | None = None
+        self._masks = prepared_causal_masks(model)
+        for i in set(layer_ids):
+            layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            if self._capturing:
+                self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+                if layer_id == self._stop_after:
+                    raise _AllCaptured
+
+        return hook
+
+    @property
+    def num_layers(self) -> int:
+        return len(decoder_layers(self.model))
+
+    def head(self) -> TargetHead:
+        """The frozen embedding and LM head, sharing storage with the target."""
+        return TargetHead.of(self.model)
+
+    def compile(self, settings: CompileSettings) -> None:
+        """Compile each decoder layer's forward (static shapes, no CUDA graphs: a
+        prefill's kernels are large enough that launches do not matter). The
+        layers share one code object, so one graph per length serves all of
+        them, and the capture hooks stay outside the compiled code."""
+        for layer in decoder_layers(self.model):
+            layer.forward = settings.compile(layer.forward, mode="default", fullgraph=False)
+
+    def uncompile(self) -> None:
+        """Back to the eager layers, for decoding: its shapes change every step."""
+        for layer in decoder_layers(self.model):
+            layer.__dict__.pop("forward", None)
+
+    @contextmanager
+    def eager(self) -> Iterator[None]:
+        """The eager layers for a while (a slice of decoding between training prefills),
+        then the compiled ones again, whose graphs are kept."""
+        layers = decoder_layers(self.model)
+        compiled = [layer.__dict__.pop("forward", None) for layer in layers]
+        try:
+            yield
+        finally:
+            for layer, forward in zip(layers, compiled):
+                if forward is not None:
+                    layer.forward = forward
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, topk: int = 0) -> PrefillOutput:
+        """Features of a right-padded batch. No attention mask is passed: under the
+        causal mask a real token never sees the padding after it, so its hidden
+        state is exact, and the plain causal path is the fast one (flash
+        attention). What lands on padded positions is never read by the drafter."""
+        self._capturing = True
+        try:
+            if topk:
+                out = self.model(input_ids=input_ids, attention_mask=self._masks, use_cache=False, logits_to_keep=0)
+                values, indices = out.logits.float().topk(topk, dim=-1)
+            else:
+                # Without the logits, nothing after the last captured layer is needed: for
+                # Qwen3-8B (ids up to 33 of 36) two layers and the final norm are skipped.
+                self._stop_after = max(self.layer_ids)
+                try:
+                    decoder(self.model)(input_ids=input_ids, attention_mask=self._masks, use_cache=False)
+                except _AllCaptured:
+                    pass
+                values = indices = None
+            features = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        finally:
+            self._capturing = False
+            self._stop_after = None
+            self._captured.clear()
+        return PrefillOutput(features, values, indices)
+
+
+def _param_name(model: nn.Module, param: torch.Tensor) -> str:
+    return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)
+
+
+def random_head_weights(config: PretrainedConfig, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The embedding and LM head of a random target, drawn on ``device`` from ``seed`` so
+    that target ranks and drafter ranks (all of one device type) hold the very same
+    matrices. On the device: on the host, two 152k x 4096 draws took 21 s on 2 cores."""
+    text = config.get_text_config()
+    g = torch.Generator(device).manual_seed(seed)
+    std = getattr(text, "initializer_range", 0.02)
+    shape = (text.vocab_size, text.hidden_size)
+    embed = torch.randn(shape, generator=g, device=device) * std
+    head = embed if text.tie_word_embeddings else torch.randn(shape, generator=g, device=device) * std
+    return embed, head
+
+
+def random_target(config: PretrainedConfig, device: torch.device, dtype: torch.dtype, seed: int) -> nn.Module:
+    """A target with random weights at real shapes, for throughput runs (no download).
+    The layers are drawn on ``device`` from ``seed``, identical on every rank of one
+    device type; the embedding and LM head come from :func:`random_head_weights`."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    embed, head = random_head_weights(config, seed, device)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(embed)
+        model.get_output_embeddings().weight.copy_(head)
+    return model.eval().requires_grad_(False)
+
+
+@dataclass(frozen=True)
+class TargetSource:
+    """Where the target comes from (``target.*``): a local HF directory, ``demo`` (the
+    shipped one), or ``random`` weights drawn from ``seed`` at the preset's ``shape``.
+    ``tokenizer_path`` names a tokenizer kept apart from the weights; it is what gives a
+    random target real prompts (evaluation while training at real shapes)."""
+
+    path: str
+    trust_remote_code: bool = False
+    shape: Mapping | None = None
+    seed: int = 0
+    tokenizer_path: str | None = None
+
+    @property
+    def is_random(self) -> bool:
+        return self.path == RANDOM
+
+    def config(self) -> PretrainedConfig:
+        """The HF config: config.json, or for ``random`` the preset's ``target.shape``."""
+        if not self.is_random:
+            return AutoConfig.from_pretrained(resolve_path(self.path), trust_remote_code=self.trust_remote_code,
+                                              local_files_only=True)
+        if not self.shape:
+            raise ValueError(
+                "target.path=random builds the target from target.shape; use a preset that has one "
+                "(target=qwen3_8b|qwen3_4b|llama3_1_8b)"
+            )
+        shape = dict(self.shape)
+        return AutoConfig.for_model(shape.pop("model_type"), **shape)
+
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The target's tokenizer: ``tokenizer_path``'s, else the weights' directory's; a
+        random target without ``tokenizer_path`` has none."""
+        if self.tokenizer_path:
+            local = local_path("target", self.tokenizer_path)
+            if not (local / "tokenizer_config.json").is_file():
+                raise FileNotFoundError(f"target.tokenizer={self.tokenizer_path!r} is not a local tokenizer directory "
+                                        "(no tokenizer_config.json)")
+        elif self.is_random:
+            return None
+        else:
+            local = resolve_path(self.path)
+        return AutoTokenizer.from_pretrained(local, trust_remote_code=self.trust_remote_code, local_files_only=True)
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+        """The frozen model and its tokenizer; nothing is downloaded."""
+        config, tokenizer = self.config(), self.tokenizer()
+        vocab_size = config.get_text_config().vocab_size
+        if self.tokenizer_path and len(tokenizer) > vocab_size:
+            raise ValueError(f"target.tokenizer={self.tokenizer_path!r} has {len(tokenizer)} tokens, more than the "
+                             f"target's vocab_size {vocab_size}")
+        if self.is_random:
+            return random_target(config, device, dtype, self.seed), tokenizer
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_path(self.path),
+            config=config,
+            dtype=dtype,
+            trust_remote_code=self.trust_remote_code,
+            local_files_only=True,
+            attn_implementation="sdpa",
+        ).to(device)
+        return model.eval().requires_grad_(False), tokenizer
+
+    def head(self, device: torch.device, dtype: torch.dtype) -> TargetHead:
+        """Only the embedding and LM head, read straight from the safetensors.
+
+        Drafter ranks need these two matrices, not the whole target; the parameter
+        names come from the model class built on the meta device, so any HF causal
+        LM layout works, tied embeddings included.
+        """
+        if self.is_random:
+            embed, head = random_head_weights(self.config(), self.seed, device)
+            on_device = embed.to(device=device, dtype=dtype)
+            return TargetHead(on_device, on_device if head is embed else head.to(device=device, dtype=dtype))
+        local, config = resolve_path(self.path), self.config()
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=self.trust_remote_code)
+        embed_name = _param_name(skeleton, skeleton.get_input_embeddings().weight)
+        head_name = _param_name(skeleton, skeleton.get_output_embeddings().weight)
+        index = local / "model.safetensors.index.json"
+        files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+        def read(name: str) -> torch.Tensor | None:
+            file = local / (files.get(name, "") if files is not None else "model.safetensors")
+            if not file.is_file():
+                return None
+            with safe_open(file, "pt", device="cpu") as f:
+                return f.get_tensor(name).to(device=device, dtype=dtype) if name in f.keys() else None
+
+        embed = read(embed_name)
+        if embed is None:
+            raise FileNotFoundError(f"{local} has no tensor {embed_name!r} in its safetensors files")
+        head = read(head_name)
+        if head is None:
+            if not getattr(config.get_text_config(), "tie_word_embeddings", False):
+                raise FileNotFoundError(f"{local} has no tensor {head_name!r} and its embeddings are not tied")
+            head = embed
+        return TargetHead(embed, head)

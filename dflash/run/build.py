@@ -1,0 +1,207 @@
+"""From the config to the parts of a run: the job, the topology, the target side, the trainer.
+
+Everything here is construction; :mod:`dflash.run.roles` runs the parts. Both sides
+take every shared number from :class:`dflash.plan.Plan`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
+
+from dflash.compile import CompileSettings, resolve_settings
+from dflash.data.bundle import MicroBatch, random_batch, random_prefill, to_device
+from dflash.data.dataset import (
+    Dataset,
+    SampleOrder,
+    collate,
+    load_dataset,
+    synthetic_dataset,
+)
+from dflash.device import pick_device
+from dflash.distributed.protocol import Timeouts
+from dflash.distributed.topology import Topology, auto_target_ranks
+from dflash.model.drafter import DFlashDrafter, DrafterConfig, TargetHead
+from dflash.model.target import RANDOM, PrefillOutput, Target, TargetSource
+from dflash.run.config import target_source
+from dflash.run.plan import Plan, resolve_plan
+from dflash.run.step import DrafterTrainer, build_optimizer, cosine_schedule
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class Job:
+    """What this process resolved from the config before building anything."""
+
+    cfg: DictConfig
+    source: TargetSource
+    target_config: PretrainedConfig
+    plan: Plan
+    device: torch.device
+    dtype: torch.dtype  # the target's weights and the drafter's autocast
+    compile: CompileSettings
+
+
+def build_job(cfg: DictConfig) -> Job:
+    source = target_source(cfg)
+    target_config = source.config()
+    plan = resolve_plan(cfg, target_config)
+    device, dtype = pick_device()
+    return Job(cfg, source, target_config, plan, device, dtype, resolve_settings(cfg, device, len(plan.buckets)))
+
+
+def timeouts(cfg: DictConfig) -> Timeouts:
+    topology = cfg.topology
+    return Timeouts(init_s=float(topology.init_timeout_s), warmup_s=float(topology.warmup_timeout_s),
+                    step_s=float(topology.timeout_s))
+
+
+def build_topology(job: Job) -> Topology | None:
+    """``None`` for the colocated layout (one process, or ``topology.mode=colocated``)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1 or job.cfg.topology.mode == "colocated":
+        if world > 1:
+            raise ValueError(f"topology.mode=colocated runs in one process, but WORLD_SIZE={world}")
+        return None
+    targets = job.cfg.topology.target_ranks
+    if targets == "auto":
+        targets = auto_split(job, world)
+    return job.plan.topology(world, int(os.environ["RANK"]), int(targets))
+
+
+def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:
+    """The target and the drafter on the meta device: shapes and parameter counts, no memory."""
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(job.target_config, trust_remote_code=job.source.trust_remote_code)
+        drafter = DFlashDrafter(drafter_config(job, 0))
+    return target, drafter
+
+
+def split_by_flops(job: Job, world: int, target: nn.Module, drafter: DFlashDrafter) -> int:
+    """Target ranks of ``world`` from the FLOPs of both sides (the drafter's count takes the
+    frozen LM head it runs through too)."""
+    target_params = sum(p.numel() for p in target.parameters())
+    head_params = target.get_output_embeddings().weight.numel()
+    drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
+    return auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len)
+
+
+def auto_split(job: Job, world: int) -> int:
+    """``topology.target_ranks=auto``, counted on meta-device models."""
+    split = split_by_flops(job, world, *meta_models(job))
+    log.info("topology.target_ranks=auto: %d target and %d drafter ranks", split, world - split)
+    return split
+
+
+def drafter_config(job: Job, mask_token_id: int) -> DrafterConfig:
+    """The drafter takes every shape but its depth from the target."""
+    text, drafter = job.target_config.get_text_config(), job.cfg.drafter
+    rope = getattr(text, "rope_parameters", None) or {}
+    return DrafterConfig(
+        hidden_size=text.hidden_size,
+        intermediate_size=drafter.intermediate_size or text.intermediate_size,
+        num_layers=drafter.num_layers,
+        num_attention_heads=text.num_attention_heads,
+        num_key_value_heads=text.num_key_value_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        vocab_size=text.vocab_size,
+        num_target_layers=text.num_hidden_layers,
+        target_layer_ids=list(job.plan.layer_ids),
+        mask_token_id=mask_token_id,
+        block_size=job.plan.block_size,
+        rms_norm_eps=text.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 1_000_000.0))),
+        max_position_embeddings=text.max_position_embeddings,
+    )
+
+
+@dataclass
+class TargetSide:
+    """What a target rank holds: the frozen target and the data it turns into bundles."""
+
+    target: Target
+    tokenizer: PreTrainedTokenizerBase | None
+    dataset: Dataset
+    order: SampleOrder
+    plan: Plan
+    pad_id: int
+    device: torch.device
+
+    def produce(self, m: int) -> tuple[MicroBatch, PrefillOutput]:
+        """Global micro-batch ``m``: collate (anchors drawn on the host), move it to the
+        device once (the prefill, the send and the drafter step all read it there), then
+        prefill."""
+        epoch, indices = self.order.micro_batch(m)
+        batch = collate(self.dataset, epoch, indices, list(self.plan.buckets), self.pad_id, self.plan.anchor_spec())
+        batch = batch.to(self.device)
+        return batch, self.target.prefill(batch.input_ids, self.plan.topk)
+
+    def warm(self) -> None:
+        """One prefill per length bucket, so every compiled shape exists before data flows."""
+        vocab = self.target.head().vocab_size
+        for seq_len in self.plan.buckets:
+            batch = random_batch(self.plan.micro_batch_size, seq_len, vocab, self.plan.anchor_spec())
+            self.target.prefill(to_device(batch.input_ids, self.device), self.plan.topk)
+
+
+def build_target_side(job: Job) -> TargetSide:
+    cfg, plan = job.cfg, job.plan
+    model, tokenizer = job.source.load(job.device, job.dtype)
+    target = Target(model, list(plan.layer_ids))
+    if job.compile.target:
+        target.compile(job.compile)
+    max_len = plan.max_len
+    if cfg.data.path == "synthetic":
+        vocab = job.target_config.get_text_config().vocab_size
+        dataset = synthetic_dataset(cfg.data.num_samples, max_len, vocab, cfg.data.prompt_fraction, plan.seed)
+    else:
+        dataset = load_dataset(cfg.data.path, tokenizer, max_len, cfg.data.min_loss_tokens, cfg.data.strict,
+                               cfg.data.max_samples, cfg.data.cache_dir or None, cfg.topology.warmup_timeout_s,
+                               weights=cfg.data.weights, seed=plan.seed, template_kwargs=cfg.data.chat_template_kwargs)
+    skipped = dataset.skipped
+    log.info("%d training samples, %d records skipped %s", len(dataset), sum(skipped.values()), dict(skipped))
+    pad_id = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return TargetSide(target, tokenizer, dataset, plan.sample_order(len(dataset)), plan, pad_id, job.device)
+
+
+def build_trainer(job: Job, head: TargetHead, mask_token_id: int, steps: int) -> DrafterTrainer:
+    """The drafter on the target's shapes (fp32 master weights, bf16 autocast on GPU)
+    with AdamW and a cosine schedule over ``steps``."""
+    train = job.cfg.train
+    config = drafter_config(job, mask_token_id)
+    torch.manual_seed(job.plan.seed)
+    with torch.device(job.device):  # drawn where it trains: 14 s of host init for 1B parameters otherwise
+        drafter = DFlashDrafter(config)
+    drafter.reset_parameters(job.cfg.drafter.init_std)
+    log.info(
+        "drafter: %d layers at hidden %d, %.1fM trainable params, features from target layers %s, mask id %d",
+        config.num_layers, config.hidden_size, sum(p.numel() for p in drafter.parameters()) / 1e6,
+        list(job.plan.layer_ids), mask_token_id,
+    )
+    optimizer = build_optimizer(drafter, train.lr, train.weight_decay, tuple(train.betas))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(steps, train.warmup_ratio, train.min_lr_ratio))
+    autocast = job.dtype if job.device.type == "cuda" else None
+    return DrafterTrainer(drafter, head, job.plan.objective(mask_token_id), optimizer, scheduler, train.grad_clip,
+                          autocast, job.compile)
+
+
+def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype) -> None:
+    """Compile and record the drafter step for every length bucket on random data."""
+    if not trainer.compiled and trainer.device.type == "cpu":
+        return  # nothing to compile
+    vocab, micro = trainer.head.vocab_size, plan.micro_batch_size
+    batches = [
+        (
+            random_batch(micro, seq_len, vocab, plan.anchor_spec()),
+            random_prefill(micro, seq_len, plan.feature_dim, dtype, plan.topk, vocab, trainer.device),
+        )
+        for seq_len in plan.buckets
+    ]
+    trainer.warmup(batches)

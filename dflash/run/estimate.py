@@ -1,0 +1,249 @@
+"""What a plan costs before anything is loaded: FLOPs, bytes, memory per rank, throughput.
+
+``dry_run=true`` prints this and exits; every run logs it at start. Models are
+built on the meta device, so nothing is read and no memory is taken. The FLOP
+count is the one ``dflash.bench`` reports MFU with (docs/DESIGN.md section 6).
+Memory is an estimate from the parts each rank holds (docs/DESIGN.md section 7
+lists them); BENCHMARKS.md has measured peaks to compare with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash.data.bundle import shapes
+from dflash.decode.live import eval_every
+from dflash.distributed.topology import Topology
+from dflash.model.drafter import DrafterConfig
+from dflash.model.target import decoder_layers
+from dflash.run.build import Job, meta_models, split_by_flops
+from dflash.run.plan import Plan
+
+GIB = 2**30
+H200_GIB = 139.8  # usable memory of one H200 as torch reports it
+# Utilisation measured on one H200 at the Qwen3-8B shapes (BENCHMARKS.md, 2026-11-30): the
+# compiled prefill and the reduce-overhead drafter step. Rates for other shapes follow from
+# their FLOPs at the same utilisation, unless a `dflash.bench` report is given.
+MEASURED_MFU = {"target": 0.796, "drafter": 0.727}
+PEAK_FLOPS = 790e12
+
+
+class PlanError(ValueError):
+    """A plan that cannot run as configured; the message names the key to change."""
+
+
+def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int) -> float:
+    """Training FLOPs of one sequence, counted as in docs/DESIGN.md section 6."""
+    h, kv = d.hidden_size, d.num_key_value_heads * d.head_dim
+    q = d.num_attention_heads * d.head_dim
+    attention_linear, mlp = h * q * 2 + h * kv * 2, 3 * h * d.intermediate_size
+    tq = num_anchors * d.block_size
+    return (
+        6 * attention_linear * d.num_layers * tq
+        + 6 * mlp * ((d.num_layers - 1) * tq + num_anchors * (d.block_size - 1))
+        + 6 * (2 * h * kv) * d.num_layers * seq_len
+        + 4 * (len(d.target_layer_ids) * h * h) * seq_len
+        + 4 * h * vocab_size * num_anchors * (d.block_size - 1)
+        + 12 * q * ((seq_len - d.block_size) / 2 + d.block_size) * tq * d.num_layers
+    )
+
+
+def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int]) -> float:
+    """Inference FLOPs of one sequence over the decoder layers that run: 2 x params x
+    tokens plus causal attention. Without the LM head the prefill stops after the last
+    captured layer (``Target.prefill``); with it, every layer and the head run."""
+    text = model.config.get_text_config()
+    layers = decoder_layers(model)
+    run = len(layers) if with_head else max(layer_ids) + 1
+    params = sum(p.numel() for layer in layers[:run] for p in layer.parameters())
+    if with_head:
+        params += model.get_output_embeddings().weight.numel()
+    q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    attention = run * 4 * q * seq_len * (seq_len + 1) / 2
+    return 2 * params * seq_len + attention
+
+
+@dataclass
+class Estimate:
+    world_size: int
+    num_targets: int
+    auto_targets: int
+    target_params: int
+    drafter_params: int
+    head_params: int
+    bundle_bytes: int
+    micro_per_step: int
+    target_gib: dict[str, float]
+    drafter_gib: dict[str, float]
+    device_gib: float
+    target_flops: float  # per sample
+    drafter_flops: float  # per sample
+    target_rate: float  # samples/s of one target rank
+    drafter_rate: float  # samples/s of one drafter rank
+    rates_from: str
+
+    @property
+    def samples_per_s(self) -> float:
+        if self.world_size == 1:
+            return 1 / (1 / self.target_rate + 1 / self.drafter_rate)
+        drafters = self.world_size - self.num_targets
+        return min(self.num_targets * self.target_rate, drafters * self.drafter_rate)
+
+
+def _bundle_bytes(plan: Plan, feature_dtype: torch.dtype) -> int:
+    """Payload bytes of the largest bundle of ``plan``."""
+    sizes = {"b": plan.micro_batch_size, "S": plan.padded_len, "n": plan.num_anchors, "F": plan.feature_dim,
+             "k": plan.topk}
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes(sizes, feature_dtype))
+
+
+def bench_rates(report: dict) -> dict:
+    """Samples/s of one target rank and one drafter rank in a ``dflash.bench`` report: its
+    last target row (compiled when the drafter is) and its last drafter row."""
+    micro = report["shapes"]["micro_batch_size"]
+    target = [r for r in report["rows"] if r["role"] == "target"][-1]
+    drafter = [r for r in report["rows"] if r["role"] == "drafter"][-1]
+    return {"target_samples_per_s": 1e3 * micro / target["step_ms"], "drafter_samples_per_s": drafter["samples_per_s"],
+            "target_mode": target["mode"], "drafter_mode": drafter["mode"]}
+
+
+def _device_gib(job: Job) -> float:
+    configured = job.cfg.estimate.device_gib
+    if configured:
+        return float(configured)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return H200_GIB
+
+
+def _rates(job: Job, target_flops: float, drafter_flops_: float, cuda_plan: bool) -> tuple[float, float, str]:
+    path = job.cfg.estimate.rates
+    if path:
+        rates = bench_rates(json.loads(Path(path).read_text()))
+        return rates["target_samples_per_s"], rates["drafter_samples_per_s"], f"measured in {path}"
+    if not cuda_plan:
+        return math.nan, math.nan, ""
+    target = MEASURED_MFU["target"] * PEAK_FLOPS / target_flops
+    drafter = MEASURED_MFU["drafter"] * PEAK_FLOPS / drafter_flops_
+    measured = f"{MEASURED_MFU['target']:.1%} prefill, {MEASURED_MFU['drafter']:.1%} drafter"
+    return target, drafter, f"the MFU measured on one H200 ({measured}) at these FLOPs"
+
+
+def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
+    """The cost of ``job`` on ``world_size`` ranks with ``targets`` target ranks (``auto``
+    as the trainer would choose). Raises :class:`TopologyError` for an impossible split."""
+    plan, text = job.plan, job.target_config.get_text_config()
+    cuda_plan = torch.cuda.is_available() or world_size > 1
+    dtype = torch.bfloat16 if cuda_plan else torch.float32
+    dtype_bytes = dtype.itemsize
+    target, drafter = meta_models(job)
+    drafter_cfg = drafter.config
+    embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+    target_params = sum(p.numel() for p in target.parameters())
+    head_params = embed.numel() + (0 if lm_head is embed else lm_head.numel())
+    drafter_params = sum(p.numel() for p in drafter.parameters())
+    seq_len = plan.padded_len
+    t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids))
+    d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size)
+    auto = split_by_flops(job, world_size, target, drafter) if world_size > 1 else 0
+    num_targets = auto if targets == "auto" else int(targets)
+    if world_size > 1:
+        Topology(world_size, 0, num_targets, plan.micro_batch_size, plan.batch_size)  # raises with the key to change
+    bundle = _bundle_bytes(plan, dtype)
+    micro, h = plan.micro_batch_size, text.hidden_size
+    tokens = micro * seq_len
+    in_flight = job.cfg.topology.max_in_flight if world_size > 1 else 0
+    target_gib = {
+        "weights": target_params * dtype_bytes / GIB,
+        # one decoder layer's working set at a time, the captured features, and the logits for the KL
+        "activations": tokens * (6 * h + 3 * text.intermediate_size) * dtype_bytes / GIB
+        + tokens * plan.feature_dim * dtype_bytes / GIB
+        + (tokens * text.vocab_size * 4 / GIB if plan.topk else 0.0),
+        "bundles in flight": in_flight * bundle / GIB,
+    }
+    if eval_every(job.cfg):
+        # the decoding copy of the drafter that evaluations while training run (rank 0; all, to be safe)
+        target_gib["evaluation drafter"] = drafter_params * dtype_bytes / GIB
+    queries = micro * plan.num_anchors * plan.block_size
+    drafter_gib = {
+        # fp32 master weights and gradient buffers; under autocast also the bf16 compute weights
+        # (dflash.step.compute_copy). The linear layers' backward adds into the buffers: no
+        # gradient of one backward is held beside them (dflash.model.linear).
+        "weights and gradients": (4 + 4 + (dtype_bytes if cuda_plan else 0)) * drafter_params / GIB,
+        "AdamW state": 8 * drafter_params / GIB,
+        "frozen embedding and LM head": head_params * dtype_bytes / GIB,
+        # per query token and layer: projections, attention output, norms, the MLP's three
+        # inputs; the context's K/V; one loss chunk's logits and their gradient, counted as fp32
+        # (compiled they are bf16; eager keeps fp32 copies)
+        "activations": queries * drafter_cfg.num_layers * (6 * h + 3 * drafter_cfg.intermediate_size) * dtype_bytes / GIB
+        + seq_len * micro * (plan.feature_dim + 2 * drafter_cfg.num_key_value_heads * drafter_cfg.head_dim
+                             * drafter_cfg.num_layers) * dtype_bytes / GIB
+        + 2 * min(plan.chunk_size, queries) * text.vocab_size * 4 / GIB,
+    }
+    target_rate, drafter_rate, rates_from = _rates(job, t_flops, d_flops, cuda_plan)
+    return Estimate(
+        world_size, num_targets, auto, target_params, drafter_params, head_params, bundle, plan.micro_per_step,
+        target_gib, drafter_gib, _device_gib(job), t_flops, d_flops, target_rate, drafter_rate, rates_from,
+    )
+
+
+def check_fits(e: Estimate) -> None:
+    """Raise :class:`PlanError` if a rank's estimate exceeds its device."""
+    sides = [("drafter", e.drafter_gib)] + ([("target", e.target_gib)] if e.world_size > 1 else [])
+    if e.world_size == 1:
+        sides = [("colocated", {**e.target_gib, **{f"drafter {k}": v for k, v in e.drafter_gib.items()}})]
+    for role, parts in sides:
+        total = sum(parts.values())
+        if total > e.device_gib:
+            raise PlanError(
+                f"a {role} rank needs an estimated {total:.1f} GiB, over the {e.device_gib:.1f} GiB of its device; "
+                "lower train.micro_batch_size, train.num_anchors or loss.chunk_size, or give the target more ranks "
+                "(topology.target_ranks); estimate.device_gib sets the device size"
+            )
+
+
+def _gib(parts: dict[str, float]) -> str:
+    return " + ".join(f"{v:.1f} {k}" for k, v in parts.items()) + f" = {sum(parts.values()):.1f} GiB"
+
+
+def format_estimate(job: Job, e: Estimate) -> str:
+    plan = job.plan
+    lines = [f"plan for {job.cfg.target.name} ({job.source.path}) on {e.world_size} rank(s), "
+             f"{e.device_gib:.1f} GiB per device:"]
+    if e.world_size == 1:
+        parts = {**{f"target {k}": v for k, v in e.target_gib.items() if k != "bundles in flight"},
+                 **{f"drafter {k}": v for k, v in e.drafter_gib.items()}}
+        lines.append(f"  rank 0       colocated  target and drafter in one process: {_gib(parts)}")
+    else:
+        drafters = e.world_size - e.num_targets
+        span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"  # noqa: E731
+        lines += [
+            f"  rank {span(0, e.num_targets - 1):<8} target     {e.target_params / 1e9:.2f}B frozen params: {_gib(e.target_gib)}",
+            f"  rank {span(e.num_targets, e.world_size - 1):<8} drafter    {e.drafter_params / 1e9:.3f}B trainable params: "
+            f"{_gib(e.drafter_gib)}",
+            f"  rank {e.num_targets:<8} metrics    writes metrics.jsonl, checkpoints and the export",
+            f"  split: {e.num_targets} target / {drafters} drafter ranks (topology.target_ranks=auto would choose "
+            f"{e.auto_targets}); {plan.micro_per_step // drafters} micro-batch(es) per drafter per step",
+            f"  bundle: {e.bundle_bytes / 1e6:.1f} MB per micro-batch of {plan.micro_batch_size}, "
+            f"{e.bundle_bytes * e.micro_per_step / 1e9:.2f} GB per optimizer step",
+        ]
+    lines.append(
+        f"  FLOPs per sample: target prefill {e.target_flops / 1e12:.1f} T, drafter step {e.drafter_flops / 1e12:.1f} T "
+        f"(max_len {plan.max_len}, {plan.num_anchors} anchors, block {plan.block_size})"
+    )
+    every = eval_every(job.cfg)
+    if every:
+        where = "in process" if e.world_size == 1 else "on target rank 0"
+        lines.append(f"  eval: speculative decoding every {every} steps {where}, with a decoding copy of the "
+                     f"drafter ({e.target_gib['evaluation drafter']:.1f} GiB, counted in the target's memory)")
+    if e.rates_from:
+        lines.append(
+            f"  expected: target {e.target_rate:.2f}, drafter {e.drafter_rate:.2f} samples/s per rank, from "
+            f"{e.rates_from}: {e.samples_per_s:.2f} samples/s, {e.samples_per_s / e.world_size:.2f} per GPU"
+        )
+    return "\n".join(lines)

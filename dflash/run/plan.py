@@ -1,0 +1,105 @@
+"""The plan: every number that both sides of a run must agree on, resolved once.
+
+Target ranks and drafter ranks build their parts from one :class:`Plan`, so a
+number (the block size, the buckets, the anchor count, the feature width)
+cannot reach the two sides by different routes. What must also agree on the
+wire is checked there: the bundle header carries these numbers and the
+receiver compares them with :meth:`Plan.expected`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from dflash.data.dataset import SampleOrder
+from dflash.distributed.topology import Topology
+from dflash.distributed.transport import Expected
+from dflash.model.drafter import default_target_layer_ids
+from dflash.objective.anchors import AnchorSpec
+from dflash.objective.loss import default_gamma
+from dflash.run.step import ObjectiveConfig
+
+
+@dataclass(frozen=True)
+class Plan:
+    seed: int
+    batch_size: int  # global sequences per optimizer step
+    micro_batch_size: int  # sequences per drafter forward
+    num_anchors: int
+    block_size: int
+    max_len: int  # longest sequence trained on
+    buckets: tuple[int, ...]  # padded lengths, ascending
+    topk: int  # target logits per position sent for the KL loss
+    layer_ids: tuple[int, ...]  # target layers whose hidden states form the context
+    feature_dim: int  # len(layer_ids) x the target's hidden size
+    gamma: float
+    ce_weight: float
+    kl_weight: float
+    chunk_size: int
+    max_steps: int  # 0: train for `epochs`
+    epochs: int
+
+    @property
+    def micro_per_step(self) -> int:
+        """Micro-batches per optimizer step, over all drafter ranks together."""
+        return self.batch_size // self.micro_batch_size
+
+    @property
+    def padded_len(self) -> int:
+        """The longest padded length a micro-batch can have: the bucket that holds ``max_len``."""
+        return next((b for b in self.buckets if b >= self.max_len), max(self.buckets))
+
+    def anchor_spec(self) -> AnchorSpec:
+        return AnchorSpec(self.num_anchors, self.seed)
+
+    def sample_order(self, num_samples: int) -> SampleOrder:
+        return SampleOrder(num_samples, self.batch_size, self.micro_batch_size, self.seed)
+
+    def total_steps(self, num_samples: int) -> int:
+        return self.max_steps or self.epochs * self.sample_order(num_samples).steps_per_epoch
+
+    def objective(self, mask_token_id: int) -> ObjectiveConfig:
+        return ObjectiveConfig(
+            block_size=self.block_size, mask_token_id=mask_token_id, gamma=self.gamma,
+            ce_weight=self.ce_weight, kl_weight=self.kl_weight, chunk_size=self.chunk_size,
+        )
+
+    def expected(self, feature_dtype: torch.dtype) -> Expected:
+        """What a drafter accepts in a bundle header."""
+        return Expected(
+            max_batch=self.micro_batch_size, num_anchors=self.num_anchors, feature_dim=self.feature_dim,
+            feature_dtype=feature_dtype, topk=self.topk, buckets=list(self.buckets), block_size=self.block_size,
+        )
+
+    def topology(self, world_size: int, rank: int, num_targets: int) -> Topology:
+        return Topology(world_size, rank, num_targets, self.micro_batch_size, self.batch_size)
+
+
+def resolve_plan(cfg: DictConfig, target_config) -> Plan:
+    """The plan of ``cfg`` for a target with this HF config."""
+    train, text = cfg.train, target_config.get_text_config()
+    layer_ids = cfg.drafter.target_layer_ids or default_target_layer_ids(
+        text.num_hidden_layers, cfg.drafter.num_context_features
+    )
+    block_size = cfg.drafter.block_size
+    return Plan(
+        seed=train.seed,
+        batch_size=train.batch_size,
+        micro_batch_size=train.micro_batch_size,
+        num_anchors=train.num_anchors,
+        block_size=block_size,
+        max_len=train.max_len,
+        buckets=tuple(sorted(train.buckets or [train.max_len])),
+        topk=cfg.loss.kl_topk,
+        layer_ids=tuple(layer_ids),
+        feature_dim=len(layer_ids) * text.hidden_size,
+        gamma=cfg.loss.gamma or default_gamma(block_size),
+        ce_weight=cfg.loss.ce_weight,
+        kl_weight=cfg.loss.kl_weight,
+        chunk_size=cfg.loss.chunk_size,
+        max_steps=train.max_steps or 0,
+        epochs=train.epochs,
+    )

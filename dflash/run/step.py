@@ -1,0 +1,276 @@
+"""One optimizer step of the drafter: micro-batch forward/backward, then normalise and update.
+
+Micro-batches add *unnormalised* weighted loss sums to the gradients; ``finish``
+divides by the total weight of the whole step (every micro-batch; every drafter
+rank once gradients are reduced), so the loss is normalised over the optimizer
+step and never per micro-batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash.compile import CompileSettings
+from dflash.data.bundle import MicroBatch
+from dflash.model.drafter import DFlashDrafter, TargetHead, drafted
+from dflash.model.linear import Linear
+from dflash.model.target import PrefillOutput
+from dflash.objective.anchors import make_blocks
+from dflash.objective.loss import head_loss, slot_accuracy, teacher_at
+from dflash.objective.masks import build_mask
+from dflash.run.checkpoint import load_checkpoint
+
+
+@dataclass
+class ObjectiveConfig:
+    block_size: int
+    mask_token_id: int
+    gamma: float
+    ce_weight: float = 1.0
+    kl_weight: float = 0.0
+    chunk_size: int = 1024
+
+
+@dataclass
+class StepStats:
+    """Sums over the micro-batches of one step (device tensors until ``finish``)."""
+
+    loss_sum: torch.Tensor
+    weight_sum: torch.Tensor
+    correct: torch.Tensor
+    counted: torch.Tensor
+    tokens: torch.Tensor
+    samples: int = 0
+
+
+def cosine_schedule(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
+    warmup = max(1, round(total_steps * warmup_ratio))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def compute_copy(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
+    """The drafter that micro-steps run: its linear weights held in ``dtype``, the rest
+    (norms, buffers) as the masters are.
+
+    Autocast casts each fp32 weight to ``dtype`` at every use, forward and backward:
+    at Qwen3-8B shapes that is 30 cast kernels and 2 GiB written per micro-batch.
+    Held in ``dtype`` and refreshed once per optimizer step, the weights are the same
+    values (the same round-to-nearest cast), so eager, the step is equal bit for bit to
+    autocast over the masters (tests/test_step.py). Norm weights stay fp32: autocast
+    computes the norms in fp32 either way. The linear weights enter the copy already
+    cast, so the fp32 drafter is never held twice."""
+    cast = {
+        id(m.weight): nn.Parameter(m.weight.detach().to(dtype), m.weight.requires_grad)
+        for m in drafter.modules()
+        if isinstance(m, nn.Linear)
+    }
+    return copy.deepcopy(drafter, memo=cast)
+
+
+class DrafterTrainer:
+    """Holds the drafter, the frozen head, the optimizer and the scheduler.
+
+    ``drafter`` holds the fp32 master weights that the optimizer updates and that
+    checkpoints and exports save. Under autocast, micro-steps run ``compute``, a copy
+    with its linear weights in the autocast dtype (:func:`compute_copy`); without it,
+    ``compute`` is the drafter itself.
+
+    Gradients accumulate in persistent fp32 buffers, ``grads``, one per trainable
+    parameter; they are what the drafter group all-reduces and what the optimizer
+    reads. The linear layers' backward GEMMs add into theirs directly
+    (:mod:`dflash.model.linear`). The norm weights' gradients come through ``.grad``:
+    under CUDA graphs that is memory of the graph pool that the next replay
+    overwrites, so they are added to their buffers and dropped after each backward.
+    """
+
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        head: TargetHead,
+        objective: ObjectiveConfig,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        grad_clip: float,
+        autocast_dtype: torch.dtype | None,
+        compile_settings: CompileSettings | None = None,
+    ):
+        self.drafter, self.head, self.obj = drafter, head, objective
+        self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
+        self.device = next(drafter.parameters()).device
+        self.use_flex = self.device.type == "cuda"
+        self.autocast = (
+            torch.autocast(self.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+        )
+        self.params = [p for p in drafter.parameters() if p.requires_grad]
+        self.compute = compute_copy(drafter, autocast_dtype) if autocast_dtype is not None else drafter
+        self.compute_params = [p for p in self.compute.parameters() if p.requires_grad]
+        if drafter.config.block_size != objective.block_size:
+            raise ValueError(f"drafter block size {drafter.config.block_size} != loss block size {objective.block_size}")
+        self.grads = [torch.zeros_like(p) for p in self.params]
+        sink_of = {id(p): g for p, g in zip(self.compute_params, self.grads)}
+        self.sinks = [(m, sink_of.pop(id(m.weight))) for m in self.compute.modules()
+                      if isinstance(m, Linear) and id(m.weight) in sink_of]
+        for m, g in self.sinks:
+            m.grad_sink = g
+        # the rest (norm weights) get a .grad from autograd, added to their buffers after each backward
+        rest = [(p, g) for p, g in zip(self.compute_params, self.grads) if id(p) in sink_of]
+        self.autograd_params, self.autograd_grads = [p for p, _ in rest], [g for _, g in rest]
+        self.compiled = compile_settings is not None and compile_settings.drafter
+        self.cuda_graphs = self.compiled and compile_settings.cuda_graphs
+        self.forward_loss = compile_settings.compile(self._forward_loss) if self.compiled else self._forward_loss
+        self.stats = self._fresh_stats()
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the master weights into the compute weights, in place: the CUDA graphs
+        read them at their recorded addresses."""
+        if self.compute is not self.drafter:
+            torch._foreach_copy_(self.compute_params, self.params)
+
+    def restore(self, path: Path, group=None) -> int:
+        """Load a checkpoint into the masters, optimizer and scheduler, then the compute
+        weights from the masters. Returns the step it was taken after."""
+        step = load_checkpoint(path, self.drafter, self.optimizer, self.scheduler, group)
+        self.refresh()
+        return step
+
+    def _fresh_stats(self) -> StepStats:
+        scalar = torch.zeros((), device=self.device)
+        per_slot = torch.zeros(self.obj.block_size, device=self.device)
+        return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone(), scalar.clone())
+
+    def _forward_loss(
+        self,
+        features: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        lengths: torch.Tensor,
+        anchors: torch.Tensor,
+        keep: torch.Tensor,
+        topk_values: torch.Tensor | None,
+        topk_indices: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Blocks, mask, drafter and loss of one micro-batch: the compiled region.
+        Returns (weighted loss sum, weight sum, per-slot correct, per-slot counted)."""
+        obj = self.obj
+        blocks = make_blocks(input_ids, loss_mask, lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma)
+        b, seq_len = input_ids.shape
+        mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex)
+        ctx_positions = torch.arange(seq_len, device=input_ids.device).expand(b, seq_len)
+        labels, weights = drafted(blocks.labels, obj.block_size), drafted(blocks.weights, obj.block_size)
+        teacher_idx = teacher_logits = None
+        if obj.kl_weight:
+            label_positions = drafted(blocks.label_positions, obj.block_size)
+            teacher_idx, teacher_logits = teacher_at(label_positions, topk_values, topk_indices)
+        hidden = self.compute(features, self.head.embed(blocks.ids), ctx_positions, blocks.positions, mask, True)
+        out = head_loss(
+            hidden.flatten(0, 1),
+            self.head.lm_head_weight,
+            labels.flatten(),
+            weights.flatten(),
+            teacher_idx,
+            teacher_logits,
+            obj.ce_weight,
+            obj.kl_weight,
+            obj.chunk_size,
+        )
+        correct, counted = slot_accuracy(out.predictions, labels, weights, obj.block_size)
+        return out.loss_sum, weights.sum(), correct, counted
+
+    def _forward_backward(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with self.autocast:  # outside the compiled code: inside, it keeps the graph out of the AOT cache
+            loss_sum, weight_sum, correct, counted = self.forward_loss(
+                prefill.features, batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep,
+                prefill.topk_values, prefill.topk_indices,
+            )
+        s = self.stats  # graph outputs: copied out before anything else runs
+        s.loss_sum += loss_sum.detach()
+        s.weight_sum += weight_sum
+        s.correct += correct
+        s.counted += counted
+        loss_sum.backward()
+        torch._foreach_add_(self.autograd_grads, [p.grad for p in self.autograd_params])
+        for p in self.autograd_params:
+            p.grad = None
+
+    def micro_step(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
+        """Forward + backward of one micro-batch; gradients accumulate unnormalised."""
+        batch = batch.to(self.device)
+        self._forward_backward(batch, prefill)
+        self.stats.samples += batch.input_ids.shape[0]
+        self.stats.tokens += batch.lengths.sum()
+
+    def warmup(self, batches: list[tuple[MicroBatch, PrefillOutput]]) -> None:
+        """Compile (and record) every shape before data flows. CUDAGraph Trees warms a
+        graph up, records it, then replays, so each shape runs three times; eager on
+        CUDA still compiles flex_attention and the mask once per shape. The
+        gradients and statistics are thrown away; no weight changes."""
+        calls = 3 if self.cuda_graphs else 1
+        for batch, prefill in batches:
+            for _ in range(calls):
+                self._forward_backward(batch.to(self.device), prefill)
+        torch._foreach_zero_(self.grads)
+        self.stats = self._fresh_stats()
+
+    def finish(self, group=None) -> dict | None:
+        """Reduce over the drafter ``group`` (if any), normalise by the step's total
+        weight, clip, update. Returns metrics, or ``None`` when every rank skips the
+        step (no valid anchor anywhere, or a non-finite loss)."""
+        if any(m.grad_sink is not g for m, g in self.sinks):
+            raise RuntimeError(
+                "the drafter's gradient buffers were replaced (by .to(), .double() or a copy after the trainer "
+                "was built): its linear layers' gradients no longer reach the optimizer"
+            )
+        s, self.stats = self.stats, self._fresh_stats()
+        samples = torch.tensor([s.samples], dtype=torch.float32, device=self.device)
+        sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted, samples, s.tokens[None]])
+        if group is not None:
+            for g in self.grads:
+                dist.all_reduce(g, group=group)
+            dist.all_reduce(sums, group=group)
+        b = self.obj.block_size
+        loss_sum, weight, correct, counted = sums[0], float(sums[1]), sums[2 : 2 + b], sums[2 + b : 2 + 2 * b]
+        loss = float(loss_sum) / weight if weight > 0 else float("nan")
+        if weight <= 0 or not math.isfinite(loss):
+            torch._foreach_zero_(self.grads)
+            return None
+        torch._foreach_div_(self.grads, weight)
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        torch._foreach_zero_(self.grads)
+        self.refresh()
+        return {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "acc": (correct / counted.clamp(min=1)).cpu(),
+            "samples": int(sums[-2]),
+            "tokens": int(sums[-1]),
+        }
+
+
+def build_optimizer(drafter: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]):
+    fused = next(drafter.parameters()).device.type == "cuda"
+    return torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=weight_decay, betas=betas, fused=fused)

@@ -1,0 +1,95 @@
+"""The benchmark's FLOP count matches docs/DESIGN.md section 6, and both bench commands run."""
+
+import json
+
+import pytest
+import torch
+
+from dflash.bench import bench_job, format_report, run_bench, run_p2p, run_warmup
+from dflash.model.drafter import DFlashDrafter
+from dflash.run.build import drafter_config
+from dflash.run.estimate import drafter_flops
+from dflash.run.step import DrafterTrainer
+
+TINY = ["wandb.mode=disabled", "train.micro_batch_size=2", "train.num_anchors=4", "train.max_len=64",
+        "train.buckets=[64]", "drafter.num_layers=1", "compile.backend=aot_eager"]
+
+
+def test_flop_count_of_the_design_reference():
+    job = bench_job(["target=qwen3_8b", "train=paper"])
+    config = job.target_config
+    drafter = drafter_config(job, 151669)
+    with torch.device("meta"):
+        params = sum(p.numel() for p in DFlashDrafter(drafter).parameters())
+    assert params == pytest.approx(1.049e9, rel=1e-3)
+    assert drafter_flops(drafter, 3072, 512, config.vocab_size) / 1e12 == pytest.approx(71.0, abs=0.05)
+    # the public trainer's 43.3% MFU: 10.1 samples/s at S=768, 256 anchors, over 790 TFLOP/s
+    assert 10.1 * drafter_flops(drafter, 768, 256, config.vocab_size) / 790e12 == pytest.approx(0.433, abs=0.002)
+
+
+def test_bench_reports_every_role(tmp_path):
+    report = run_bench(bench_job(TINY), steps=1, peak_tflops=790.0, modes=["eager", "compile"],
+                       checkpoint_dir=str(tmp_path))
+    rows = {(r["role"], r["mode"]): r for r in report["rows"]}
+    assert set(rows) == {("target", "eager"), ("target", "compile"), ("drafter", "eager"), ("drafter", "compile"),
+                         ("colocated", "compiled"), ("checkpoint", "dcp"), ("drafter", "compile, warm start")}
+    assert rows[("drafter", "compile")]["compile_s"] and not rows[("drafter", "eager")]["compile_s"]
+    assert rows[("drafter", "compile, warm start")]["warmup_s"] > 0
+    assert rows[("checkpoint", "dcp")]["load_s"] >= 0 and (tmp_path / "step_00000001").is_dir()
+    assert rows[("drafter", "compile")]["graphs"] == 1 and rows[("drafter", "eager")]["graphs"] == 0
+    assert all(r["step_ms"] > 0 for r in report["rows"] if "step_ms" in r)
+    assert sum("step_ms" in r for r in report["rows"]) == 5
+    json.dumps(report)
+    assert "mfu_pct" in format_report(report)
+
+
+def test_every_timed_row_amortises_the_optimizer_over_the_accumulation(monkeypatch):
+    """The drafter and colocated rows both run ``accumulation`` micro-batches per optimizer
+    step, as training does (a colocated row that stepped after every micro-batch charged
+    each sample a whole AdamW step over 1B parameters)."""
+    calls = {"micro_step": 0, "finish": 0}
+    for name in calls:
+        original = getattr(DrafterTrainer, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(DrafterTrainer, name, counted)
+    report = run_bench(bench_job(TINY), steps=1, peak_tflops=790.0, modes=["eager"], accumulation=3)
+    assert {r["role"] for r in report["rows"]} == {"target", "drafter", "colocated"}
+    assert calls["finish"] > 2 and calls["micro_step"] == 3 * calls["finish"]
+
+
+def test_warmup_bench_staggers_two_processes():
+    report = run_warmup(TINY + ["compile.enabled=true"], procs=2)
+    at_once, staggered = report["all_at_once"]["ranks"], report["staggered"]["ranks"]
+    assert [r["turn"] for r in at_once] == [0, 0] and [r["turn"] for r in staggered] == [0, 1]
+    assert staggered[1]["began"] >= staggered[0]["ended"]
+    assert all(r["graphs"] == 1 for r in at_once + staggered)
+    assert "staggered" in format_report(report)
+
+
+def test_p2p_bench_sends_bundles_between_two_ranks():
+    report = run_p2p(TINY, rounds=2)["p2p"]
+    # 2 sequences x 64 tokens x (5 layers x 128) fp32 features alone are 0.33 MB
+    assert report["backend"] == "gloo" and report["bundle_mb"] > 0.32
+    assert report["bundle_gb_per_s"] > 0 and report["raw_gb_per_s"] > 0
+    assert "GB/s" in format_report({"p2p": report})
+
+
+def test_prefill_flops_count_only_the_layers_that_run():
+    from transformers import AutoModelForCausalLM
+
+    from dflash.run.estimate import prefill_flops
+
+    job = bench_job(["target=qwen3_8b", "train=paper"])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(job.target_config)
+    ids = list(job.plan.layer_ids)
+    assert ids == [1, 9, 17, 25, 33]
+    # 34 of 36 layers run without top-k logits; all 36 and the LM head with them
+    assert prefill_flops(model, 3072, False, ids) / 1e12 == pytest.approx(42.94, abs=0.01)
+    head = model.get_output_embeddings().weight.numel()
+    full = prefill_flops(model, 3072, True, ids)
+    assert (full - 2 * head * 3072) / 1e12 == pytest.approx(45.46, abs=0.01)

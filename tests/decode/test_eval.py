@@ -1,0 +1,284 @@
+"""Speculative decoding eval: lossless greedy, accept/bonus/crop bookkeeping, sampling, CLI."""
+
+import json
+import random
+from collections import Counter
+
+import pytest
+import torch
+from helpers import tiny_drafter, tiny_target, word_tokenizer
+from torch import nn
+from torch.nn import functional as F
+from transformers import DynamicCache
+
+from dflash.decode.speculative import (
+    accept,
+    describe_divergences,
+    divergence,
+    encode_prompt,
+    greedy_generate,
+    load_prompts,
+    speculative_generate,
+    tau,
+    with_cache,
+)
+from dflash.eval import main
+from dflash.model.drafter import TargetHead
+from dflash.model.export import save_export
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B = 4
+VOCAB = 96
+MAX_NEW = 30
+
+
+@pytest.fixture(scope="module")
+def target() -> nn.Module:
+    """A random target whose greedy output varies; at init std 0.02 it repeats one token,
+    which any constant drafter would "predict" perfectly."""
+    model = tiny_target(vocab=VOCAB)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=0.2)
+    return model
+
+
+def head_of(model: nn.Module) -> TargetHead:
+    return TargetHead.of(model)
+
+
+def prompt(seed: int, length: int = 9) -> torch.Tensor:
+    return torch.randint(0, VOCAB - 1, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class ScriptedDrafter(nn.Module):
+    """Proposes ``proposals[position]`` for each block slot, and checks on every call
+    that its context is exactly the target's hidden states of the accepted prefix."""
+
+    def __init__(self, config, proposals: list[int], reference_features: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.proposals = torch.tensor(proposals)
+        self.reference_features = reference_features
+
+    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
+        p = ctx_features.shape[1]
+        assert mask is None and torch.equal(ctx_positions[0], torch.arange(p))
+        assert torch.equal(block_positions[0], torch.arange(p, p + self.config.block_size))
+        torch.testing.assert_close(ctx_features, self.reference_features[:, :p], atol=1e-4, rtol=1e-4)
+        return block_positions[..., None].float()  # the "hidden state" carries the position
+
+
+class ScriptedHead:
+    """Turns a ScriptedDrafter's positions into one-hot logits of its proposals."""
+
+    def __init__(self, proposals: torch.Tensor):
+        self.proposals = proposals
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, 1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(self.proposals[hidden[..., 0].long()], VOCAB).float()
+
+
+def scripted(target, prompt_ids, corrupt: set[int]):
+    """Drafter + head proposing the target's greedy continuation, wrong at ``corrupt`` positions.
+
+    The continuation runs B tokens past MAX_NEW so every proposal has a true value.
+    """
+    sequence = prompt_ids[0].tolist() + greedy_generate(target, prompt_ids, MAX_NEW + B)
+    proposals = [(t + 1) % VOCAB if pos in corrupt else t for pos, t in enumerate(sequence)]
+    with torch.no_grad():
+        hs = target(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    features = torch.cat([hs[i + 1] for i in (1, 2, 3)], dim=-1)
+    drafter = ScriptedDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, proposals, features)
+    return drafter, ScriptedHead(drafter.proposals), sequence[prompt_ids.shape[1]:]
+
+
+def reference_acceptance(greedy: list[int], proposals: list[int], prompt_len: int) -> list[int]:
+    """Acceptance lengths by hand: drafts match the greedy tokens, one bonus per cycle."""
+    k, lengths = 1, []
+    while k < MAX_NEW:
+        n = 0
+        while n < B - 1 and proposals[prompt_len + k + n] == greedy[k + n]:
+            n += 1
+        lengths.append(n + 1)
+        k += n + 1
+    return lengths
+
+
+def test_greedy_is_lossless_with_a_random_drafter(target):
+    drafter, head = tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target)
+    acceptance = []
+    for seed in range(3):
+        ids = prompt(seed)
+        tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW, 0.0, {VOCAB + 7})
+        assert tokens == greedy_generate(target, ids, MAX_NEW)
+        assert len(tokens) == MAX_NEW and 0 <= 1 + sum(lengths) - MAX_NEW < B
+        acceptance.append(lengths)
+    assert 1.0 <= tau(acceptance) < 1.5
+
+
+def test_perfect_oracle_accepts_whole_blocks(target):
+    ids = prompt(0)
+    drafter, head, greedy = scripted(target, ids, corrupt=set())
+    tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW)
+    assert tokens == greedy[:MAX_NEW]
+    assert lengths == [B] * -(-(MAX_NEW - 1) // B)
+
+
+def test_acceptance_matches_a_hand_written_loop(target):
+    ids = prompt(1)
+    corrupt = set(random.Random(0).sample(range(ids.shape[1], ids.shape[1] + MAX_NEW + B), 12))
+    drafter, head, greedy = scripted(target, ids, corrupt)
+    tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW)
+    assert tokens == greedy[:MAX_NEW]
+    assert lengths == reference_acceptance(greedy, drafter.proposals.tolist(), ids.shape[1])
+    assert len(set(lengths)) > 2  # the corruptions exercise several acceptance lengths
+
+
+def test_stops_at_eos_and_truncates(target):
+    ids = prompt(2)
+    drafter, head, greedy = scripted(target, ids, corrupt=set())
+    eos = greedy[6]  # mid-block: the cycle that accepts it also accepts tokens after it
+    tokens, _ = speculative_generate(target, drafter, head, ids, MAX_NEW, eos_ids={eos})
+    assert tokens == greedy[: greedy.index(eos) + 1]
+    assert tokens == greedy_generate(target, ids, MAX_NEW, {eos})
+
+
+def test_sampling_is_seeded_and_in_vocab(target):
+    drafter, head, ids = tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target), prompt(3)
+
+    def run(seed):
+        return speculative_generate(target, drafter, head, ids, MAX_NEW, 1.0, (), torch.Generator().manual_seed(seed))
+
+    tokens, lengths = run(0)
+    assert len(tokens) == MAX_NEW and all(0 <= t < VOCAB for t in tokens)
+    assert all(1 <= n <= B for n in lengths)
+    assert run(0) == (tokens, lengths)
+    assert run(1)[0] != tokens
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """The first emitted token (accepted draft or resampled) is distributed as the target's p."""
+    p_logits = torch.tensor([2.0, 0.5, 0.0, -1.0])
+    q_logits = torch.tensor([0.0, 1.5, 0.5, 0.0])
+    g = torch.Generator().manual_seed(0)
+    trials, counts = 8000, Counter()
+    for _ in range(trials):
+        draft = torch.multinomial(q_logits.softmax(-1), 1, generator=g)
+        n, bonus = accept(draft, q_logits[None], torch.stack([p_logits, p_logits]), 1.0, g)
+        counts[int(draft) if n else bonus] += 1
+    freq = torch.tensor([counts[i] / trials for i in range(4)])
+    torch.testing.assert_close(freq, p_logits.softmax(-1), atol=0.02, rtol=0)
+
+
+def save_tiny_target(model: nn.Module, out) -> None:
+    """A word-level tokenizer with a Qwen-style chat template next to the model."""
+    tokenizer = word_tokenizer(VOCAB)
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def test_cli_writes_the_report(target, tmp_path):
+    save_tiny_target(target, tmp_path / "target")
+    save_export(tiny_drafter(vocab=VOCAB, block_size=B), tmp_path / "run" / "export", dtype="float32")
+    turns = [[{"role": "user", "content": f"w{i} w{i + 1} w{2 * i}"}, {"role": "assistant", "content": "w3"}] for i in range(4)]
+    lines = [{"conversations": t} for t in turns]
+    (tmp_path / "p.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    main([
+        "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "run" / "export"),
+        "--data", f"toy={tmp_path / 'p.jsonl'}", "--max-prompts", "3", "--max-new-tokens", "12",
+        "--temperature", "0", "1", "--device", "cpu",
+    ])
+    report = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert report["lossless"] is True and report["block_size"] == B
+    greedy, sampled = report["results"]["toy@0"], report["results"]["toy@1"]
+    assert greedy["lossless"] is True and sampled["lossless"] is None
+    assert greedy["divergences"] == [] and sampled["divergences"] is None
+    assert greedy["prompts"] == 3 and 0 < greedy["new_tokens"] <= 36
+    assert set(greedy["histogram"]) == {"1", "2", "3", "4"}
+    assert sum(greedy["histogram"].values()) == greedy["cycles"]
+    assert report["tau"] == greedy["tau"]
+
+
+def test_prompts_in_any_training_format(tmp_path):
+    """Held-out prompts read like training data: a JSON list of prompt/response pairs and
+    a JSONL with a broken line (skipped) both give the turns before the reply."""
+    (tmp_path / "a.json").write_text(json.dumps([{"prompt": "w1 w2", "response": "w3"}, {"prompt": "w4"}]))
+    (tmp_path / "b.jsonl").write_text("{broken\n" + json.dumps({"messages": [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]}) + "\n")
+    assert load_prompts(str(tmp_path / "a.json"), 8) == [[{"role": "user", "content": "w1 w2"}],
+                                                         [{"role": "user", "content": "w4"}]]
+    assert load_prompts(str(tmp_path / "b.jsonl"), 8) == [[{"role": "system", "content": "s"},
+                                                          {"role": "user", "content": "w5"}]]
+
+
+def test_a_prompt_set_without_prompts_is_named_by_its_setting(tmp_path):
+    (tmp_path / "broken.jsonl").write_text("{broken\n")
+    with pytest.raises(ValueError, match="data.eval_path='.*broken.jsonl' holds no prompts"):
+        load_prompts(str(tmp_path / "broken.jsonl"), 8)
+    with pytest.raises(FileNotFoundError, match="--data='.*absent.jsonl' does not exist"):
+        main(["--target", "demo", "--drafter", str(tmp_path), "--data", f"heldout={tmp_path / 'absent.jsonl'}"])
+
+
+def test_prompts_are_rendered_with_the_training_template_arguments():
+    from dflash.model.target import TargetSource
+
+    tokenizer = TargetSource("demo").tokenizer()
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    )
+    messages = [{"role": "user", "content": "count from 1 to 3"}]
+    plain = encode_prompt(tokenizer, messages)
+    no_thinking = encode_prompt(tokenizer, messages, {"enable_thinking": False})
+    assert no_thinking.shape[1] > plain.shape[1]
+    assert torch.equal(no_thinking[:, : plain.shape[1]], plain)
+
+
+def test_a_divergence_is_located_and_measured_by_the_target(target):
+    """Where a speculative output departs from plain greedy, and the target's logit margin
+    between the two tokens there, against the logits of the incremental greedy decode."""
+    ids = prompt(2)
+    greedy = greedy_generate(target, ids, MAX_NEW)
+    assert divergence(target, ids, greedy, list(greedy)) is None
+    at, cache = 5, DynamicCache(config=target.config)
+    logits = with_cache(target, cache, input_ids=ids).logits[0, -1]
+    for t in greedy[:at]:  # the target's logits after the prompt and greedy[:at], one token at a time
+        logits = with_cache(target, cache, input_ids=torch.tensor([[t]])).logits[0, -1]
+    logits = logits.double()
+    runner_up = int(logits.topk(2).indices[1])
+    assert int(logits.argmax()) == greedy[at] != runner_up
+    other = greedy[:at] + [runner_up] + greedy[at + 1:]
+    found = divergence(target, ids, greedy, other)
+    assert found["token"] == at
+    assert found["margin"] == pytest.approx(float(logits[greedy[at]] - logits[runner_up]), abs=1e-4)
+    assert found["margin"] > 0
+    assert "1 of 4 prompts" in describe_divergences([{"prompt": 2, **found}], 4)
+
+
+def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch):
+    """Evaluations while training keep the frozen target's greedy outputs: the second
+    evaluation reuses them and reports the same lossless check."""
+    import dflash.decode.speculative as eval_module
+
+    tokenizer, drafter, head = word_tokenizer(VOCAB), tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target)
+    prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(3)]
+    kept: dict[int, list[int]] = {}
+    first = eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)
+    assert sorted(kept) == [0, 1, 2] and first["lossless"] is True
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("the kept baseline was decoded again")
+
+    monkeypatch.setattr(eval_module, "greedy_steps", no_decoding)
+    again = eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)
+    assert again["lossless"] is True and again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
+    kept[1] = kept[1][:-1] + [(kept[1][-1] + 1) % VOCAB]  # a baseline that disagrees is reported, not re-decoded
+    assert eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)["lossless"] is False

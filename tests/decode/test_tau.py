@@ -1,0 +1,161 @@
+"""tau: its aggregation (mean over responses of accepted tokens per cycle, bonus
+included), and the exact value the eval report carries for scripted drafters.
+
+A perfect drafter (drafts = the target's greedy tokens) accepts the whole block
+every cycle, so each of its responses has tau exactly B, whatever its length or
+where it stops. A drafter that is always wrong accepts only the bonus, tau exactly
+1. Mixing them pins the aggregation: per response first, then over responses,
+which is (B + 1) / 2 for one of each, never the pooled mean over cycles.
+"""
+
+import json
+
+import pytest
+import torch
+from helpers import tiny_drafter, tiny_target, word_tokenizer
+from torch import nn
+from torch.nn import functional as F
+
+from dflash.decode.speculative import encode_prompt, evaluate, evaluate_datasets, tau
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B, VOCAB, MAX_NEW = 4, 96, 17
+
+
+def test_tau_is_the_mean_over_responses_of_the_mean_per_cycle():
+    # responses [1, 4] and [2]: per response 2.5 and 2.0, so 2.25 (pooled over cycles: 7/3)
+    assert tau([[1, 4], [2]]) == 2.25
+    assert tau([[1, 4], [2], []]) == 2.25  # a response without a cycle does not count
+    assert tau([[3]]) == 3.0
+    assert tau([[16] * 5, [1] * 40]) == 8.5
+    assert tau([[2, 3, 5], [1, 1, 1, 1], [4]]) == pytest.approx((10 / 3 + 1 + 4) / 3, abs=1e-12)
+    assert tau([]) is None
+    assert tau([[], []]) is None
+
+
+# ---------------------------------------------------------------------------
+# Scripted drafters through the real decoding loop and report
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def target() -> nn.Module:
+    model = tiny_target(vocab=VOCAB)
+    torch.manual_seed(1)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=0.2)  # a greedy output that varies
+    return model
+
+
+def greedy_reference(model: nn.Module, prompt: list[int], total: int) -> list[int]:
+    seq = list(prompt)
+    with torch.no_grad():
+        while len(seq) < total:
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq
+
+
+class OracleDrafter(nn.Module):
+    """Recognises its prompt by the context features (the target's hidden states of the
+    accepted prefix), then proposes that prompt's greedy continuation, or, for a
+    prompt marked wrong, a token that is never the greedy one."""
+
+    def __init__(self, config, target: nn.Module, prompts: dict[tuple[int, ...], bool]):
+        super().__init__()
+        self.config = config
+        self.scripts = []
+        for prompt, perfect in prompts.items():
+            seq = greedy_reference(target, list(prompt), len(prompt) + MAX_NEW + B)
+            with torch.no_grad():
+                hs = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+            features = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)
+            proposals = seq if perfect else [(t + 1) % VOCAB for t in seq]
+            self.scripts.append((features, torch.tensor(proposals)))
+
+    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
+        p = ctx_features.shape[1]
+        found = [
+            proposals for features, proposals in self.scripts
+            if p <= features.shape[1] and torch.allclose(ctx_features[0], features[0, :p], atol=1e-4, rtol=1e-4)
+        ]
+        assert len(found) == 1, f"context of length {p} matches {len(found)} scripted prompts"
+        return found[0][block_positions[0]].float()[None, :, None]  # the "hidden state" is the proposal
+
+
+class OracleHead:
+    """Embeds nothing; turns an OracleDrafter's proposals into one-hot logits."""
+
+    def __init__(self):
+        self.embed_weight = torch.zeros(1, 1)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, 1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(hidden[..., 0].long(), VOCAB).float()
+
+
+def conversation(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"w{i} w{i + 3} w{2 * i + 1} w{i + 7}"}]
+
+
+def oracle(target, tokenizer, perfect: dict[int, bool]) -> OracleDrafter:
+    prompts = {tuple(encode_prompt(tokenizer, conversation(i))[0].tolist()): ok for i, ok in perfect.items()}
+    return OracleDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, target, prompts)
+
+
+def expected_histogram(target, tokenizer, perfect: dict[int, bool], eos: set[int]) -> dict[str, int]:
+    """Cycles by hand: the first token comes from the prefill, then each cycle adds B
+    tokens (perfect) or 1 (always wrong) until MAX_NEW tokens or a stop token."""
+    hist = {str(k): 0 for k in range(1, B + 1)}
+    for i, ok in perfect.items():
+        prompt = encode_prompt(tokenizer, conversation(i))[0].tolist()
+        new = greedy_reference(target, prompt, len(prompt) + MAX_NEW + B)[len(prompt):]
+        done, last = 1, new[:1]
+        while done < MAX_NEW and not set(last) & eos:
+            step = B if ok else 1
+            last = new[done : done + step]
+            done += step
+            hist[str(step)] += 1
+    return hist
+
+
+def test_perfect_drafter_reports_tau_equal_to_the_block_size(target):
+    tokenizer = word_tokenizer(VOCAB)
+    perfect = {1: True, 2: True, 5: True}
+    drafter = oracle(target, tokenizer, perfect)
+    report = evaluate(target, tokenizer, drafter, OracleHead(), [conversation(i) for i in perfect], MAX_NEW)
+    assert report["tau"] == float(B)
+    assert report["lossless"] is True
+    eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    hist = expected_histogram(target, tokenizer, perfect, eos)
+    assert report["histogram"] == hist and hist[str(B)] >= 3
+
+
+def test_report_averages_per_response_then_over_responses_and_datasets(target, tmp_path, monkeypatch):
+    """Through evaluate_datasets, which writes eval.json: dataset "perfect" has tau B,
+    dataset "mixed" (one perfect, one always-wrong response) (B + 1) / 2, and the
+    report's headline tau is the mean of the two."""
+    import dflash.decode.speculative as eval_module
+
+    tokenizer = word_tokenizer(VOCAB)
+    perfect = {1: True, 2: True, 3: True, 4: False}
+    drafter = oracle(target, tokenizer, perfect)
+    monkeypatch.setattr(eval_module, "load_export", lambda *args, **kwargs: drafter)
+    for name, ids in (("perfect", [1, 2]), ("mixed", [3, 4])):
+        lines = [json.dumps({"conversations": conversation(i)}) for i in ids]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    datasets = {name: str(tmp_path / f"{name}.jsonl") for name in ("perfect", "mixed")}
+    out = tmp_path / "eval.json"
+    evaluate_datasets(target, tokenizer, tmp_path / "export", OracleHead(), datasets, 8, MAX_NEW, out)
+
+    report = json.loads(out.read_text())
+    assert report["results"]["perfect"]["tau"] == float(B)
+    assert report["results"]["mixed"]["tau"] == (B + 1) / 2
+    assert report["tau"] == (B + (B + 1) / 2) / 2
+    assert report["lossless"] is True
+    mixed = report["results"]["mixed"]
+    pooled = (B * mixed["histogram"][str(B)] + mixed["histogram"]["1"]) / mixed["cycles"]
+    assert abs(pooled - mixed["tau"]) > 0.5  # the pooled mean would be a different number

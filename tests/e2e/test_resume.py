@@ -1,0 +1,77 @@
+"""Resume anywhere: on another split of the ranks, and past a checkpoint that cannot be read."""
+
+import json
+import logging
+import shutil
+
+import pytest
+from runs import read_metrics, read_records, run_colocated, run_disaggregated
+
+from dflash.run.metrics import MetricsLogger
+
+STEPS = ["train.max_steps=8", "checkpoint.every=4", "checkpoint.keep=10"]
+
+
+def forget_after_step_4(run_dir) -> None:
+    """As if the job had died just after its step-4 checkpoint."""
+    shutil.rmtree(run_dir / "export")
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000008")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> list[float]:
+    out = tmp_path_factory.mktemp("straight")
+    run_colocated(out, STEPS)
+    return [m["loss"] for m in read_metrics(out)]
+
+
+@pytest.mark.parametrize(
+    "first,then", [((3, 1), (2, 1)), ((3, 1), (3, 2))], ids=["drafters-2-to-1", "targets-1-to-2"]
+)
+def test_resume_on_another_split_continues_exactly(straight, tmp_path, first, then):
+    """The data order and the anchors depend only on the seed and the step, and the
+    checkpoint holds the whole drafter state, so the split may change at a restart."""
+    run_disaggregated(tmp_path, *first, STEPS)
+    forget_after_step_4(tmp_path)
+    run_disaggregated(tmp_path, *then, STEPS)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["loss"] for r in records] == pytest.approx(straight, rel=1e-6, abs=1e-6)
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(straight, tmp_path, caplog):
+    run_colocated(tmp_path, STEPS)
+    forget_after_step_4(tmp_path)
+    shutil.copytree(tmp_path / "checkpoints" / "step_00000004", tmp_path / "checkpoints" / "step_00000006")
+    (tmp_path / "checkpoints" / "step_00000006" / ".metadata").write_bytes(b"not a checkpoint")
+    with caplog.at_level(logging.WARNING):
+        run_colocated(tmp_path, STEPS)
+    assert "step_00000006 is unreadable" in caplog.text
+    assert [m["loss"] for m in read_metrics(tmp_path)] == pytest.approx(straight, rel=1e-6, abs=1e-6)
+
+
+def test_no_readable_checkpoint_is_an_error_that_says_what_to_do(tmp_path):
+    run_colocated(tmp_path, ["train.max_steps=4"])
+    shutil.rmtree(tmp_path / "export")
+    (tmp_path / "checkpoints" / "step_00000004" / ".metadata").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match="no readable checkpoint.*resume=never starts over"):
+        run_colocated(tmp_path, ["train.max_steps=8"])
+
+
+def test_a_resumed_run_continues_its_wandb_run(tmp_path):
+    from dflash.run.metrics import wandb_run_id
+
+    first = wandb_run_id(tmp_path, start_step=0)
+    assert wandb_run_id(tmp_path, start_step=4) == first
+    assert wandb_run_id(tmp_path, start_step=0) != first  # a fresh start is a new run
+
+
+def test_a_restart_at_the_same_step_keeps_one_data_record(tmp_path):
+    """A start that failed after writing its data record (say in the compile warmup) and
+    the restart at the same step leave one data record there, and every step record."""
+    records = [{"step": 0, "data/samples": 5}, {"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.9},
+               {"step": 2, "data/samples": 5}, {"step": 3, "loss": 0.8}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    MetricsLogger(tmp_path, {"mode": "disabled"}, {}, start_step=2).log_data({"samples": 5, "skipped": {}})
+    assert [(r["step"], "data/samples" in r) for r in read_records(tmp_path)] == [(0, True), (1, False), (2, False),
+                                                                                   (2, True)]

@@ -1,0 +1,140 @@
+"""CUDA paths on one GPU: flex BlockMask against dense SDPA, CUDA graphs against eager, NCCL init."""
+
+import copy
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import flat_grads, tiny_drafter, tiny_head
+
+from dflash.compile import CompileGuard, CompileSettings
+from dflash.data.bundle import random_batch, random_prefill, to_device
+from dflash.distributed.protocol import free_port
+from dflash.objective.anchors import (
+    AnchorSpec,
+    make_blocks,
+    sample_anchors,
+    sample_generator,
+)
+from dflash.objective.masks import build_mask
+from dflash.run.step import (
+    DrafterTrainer,
+    ObjectiveConfig,
+    build_optimizer,
+    cosine_schedule,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+def test_drafter_flex_equals_dense_forward_and_backward():
+    torch.manual_seed(0)
+    bs, seq_len, n = 16, 256, 12
+    drafter = tiny_drafter(hidden=128, layer_ids=(1, 2, 3), block_size=bs).cuda()
+    ids = torch.randint(0, 90, (2, seq_len), device="cuda")
+    loss_mask = torch.zeros(2, seq_len, dtype=torch.long)
+    loss_mask[:, 40:] = 1
+    drawn = [sample_anchors(loss_mask[r], n, sample_generator(0, 0, r)) for r in range(2)]
+    anchors = torch.stack([a for a, _ in drawn]).cuda()
+    keep = torch.stack([k for _, k in drawn]).cuda()
+    blocks = make_blocks(ids, loss_mask.cuda(), torch.tensor([seq_len] * 2, device="cuda"), anchors, keep, bs, 95, 7.0)
+    feats = torch.randn(2, seq_len, 3 * 128, device="cuda")
+    embeds = torch.randn(2, n * bs, 128, device="cuda")
+    ctx_pos = torch.arange(seq_len, device="cuda").expand(2, -1)
+    outs, grads = [], []
+    for flex in (True, False):
+        drafter.zero_grad()
+        mask = build_mask(anchors, seq_len, bs, use_flex=flex)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = drafter(feats, embeds, ctx_pos, blocks.positions, mask)
+        out.float().square().mean().backward()
+        outs.append(out.float())
+        grads.append(torch.cat([p.grad.flatten() for p in drafter.parameters()]))
+    torch.testing.assert_close(outs[0], outs[1], atol=3e-2, rtol=3e-2)
+    cos = torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0)
+    assert cos > 0.999
+
+
+def _trainer(drafter, settings):
+    opt = build_optimizer(drafter, 1e-3, 0.0, (0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
+    obj = ObjectiveConfig(block_size=16, mask_token_id=95, gamma=7.0, kl_weight=0.3, chunk_size=256)
+    head = tiny_head(hidden=256).cuda()
+    return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, torch.bfloat16, settings)
+
+
+def test_reduce_overhead_equals_eager_with_accumulation():
+    """Five steps of two micro-batches each, alternating buckets: same losses within
+    bf16 tolerance, and nothing compiles or skips CUDA graphs after warmup."""
+    torch._dynamo.reset()
+    base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda()
+    settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
+    eager, graphed = _trainer(copy.deepcopy(base), None), _trainer(copy.deepcopy(base), settings)
+    spec = AnchorSpec(8, 0)
+    data = {
+        s: [(random_batch(2, s, 96, spec, seed=i), random_prefill(2, s, 768, torch.bfloat16, 4, 96, "cuda")) for i in range(10)]
+        for s in (128, 256)
+    }
+    for trainer in (eager, graphed):  # the eager step compiles flex_attention per shape
+        trainer.warmup([data[128][0], data[256][0]])
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    for step in range(5):
+        results = []
+        for trainer in (eager, graphed):
+            for micro in range(2):
+                trainer.micro_step(*data[(128, 256)[(step + micro) % 2]][2 * step + micro])
+            results.append(trainer.finish())
+        assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=2e-2)
+        assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=5e-2)
+        assert guard.check(f"step {step}") == {"recompiles": 0, "cudagraph_skips": 0}
+
+
+def test_nccl_initialises_and_reduces_the_drafter_gradients():
+    """The NCCL path on one GPU: lazy init as dflash.distributed.protocol does it, a drafter group,
+    the gradient all-reduce of a step (two NCCL ranks cannot share one GPU)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        trainer = _trainer(tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda(), None)
+        batch = random_batch(2, 128, 96, AnchorSpec(8, 0))
+        trainer.micro_step(batch, random_prefill(2, 128, 768, torch.bfloat16, 4, 96, "cuda"))
+        before = flat_grads(trainer).clone()
+        result = trainer.finish(group)
+        assert result is not None and torch.isfinite(torch.tensor(result["loss"]))
+        assert before.abs().sum() > 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_weight_gradient_sums_in_fp32_inside_the_cublas_gemm():
+    """On CUDA a bf16 layer's weight-gradient GEMM writes the fp32 sum itself (``addmm``
+    with ``out_dtype``, in place): equal to a float64 sum of the bf16 operands to fp32
+    precision, far closer than adding gradients rounded to bf16."""
+    from test_linear import float64_sum, passes
+
+    lin, seen = passes(torch.bfloat16, "cuda")
+    exact = float64_sum(seen)
+    error = (lin.grad_sink.double() - exact).abs().max()
+    rounded = sum((dy.flatten(0, 1).T @ x.flatten(0, 1)).float() for x, dy, _ in seen).double()
+    assert error < 1e-4 and (rounded - exact).abs().max() > 10 * error
+    assert lin.weight.grad is None
+
+
+def test_host_batches_reach_the_gpu_without_waiting_for_its_queue():
+    """``to_device`` queues the copy behind the GPU's work and returns; a plain copy from
+    pageable memory would wait for the queue to drain (checked too, so the test can fail)."""
+    batch = random_batch(2, 128, 96, AnchorSpec(8, 0))
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued
+    moved = batch.to(torch.device("cuda"))
+    ids = to_device(batch.input_ids, torch.device("cuda"))
+    assert not torch.cuda.current_stream().query(), "the host waited for the GPU"
+    torch.cuda.synchronize()
+    assert torch.equal(ids.cpu(), batch.input_ids) and torch.equal(moved.anchors.cpu(), batch.anchors)
+    torch.cuda._sleep(2_000_000_000)
+    batch.input_ids.to("cuda")
+    assert torch.cuda.current_stream().query(), "a pageable copy should have waited"

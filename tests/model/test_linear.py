@@ -1,0 +1,91 @@
+"""The linear layer's weight gradient is summed in fp32 into its buffer, against a float64
+reference; activation gradients, the state dict and layers without a buffer are untouched."""
+
+import pytest
+import torch
+from torch import nn
+
+from dflash.model.linear import Linear
+
+
+def layer(dtype: torch.dtype, device: str = "cpu") -> Linear:
+    torch.manual_seed(0)
+    lin = Linear(48, 40).to(device)
+    lin.weight.data = lin.weight.data.to(dtype)
+    lin.grad_sink = torch.zeros(40, 48, device=device)
+    return lin
+
+
+def passes(dtype: torch.dtype, device: str = "cpu", n: int = 3):
+    """``n`` backward passes of one layer; returns the layer and each pass's (x, dy), both
+    rounded to ``dtype`` as the layer's GEMMs see them."""
+    lin = layer(dtype, device)
+    g = torch.Generator(device).manual_seed(1)
+    seen = []
+    for _ in range(n):
+        x = torch.randn(2, 24, 48, device=device, generator=g, requires_grad=True)
+        dy = torch.randn(2, 24, 40, device=device, generator=g).to(dtype)
+        lin(x).backward(dy)
+        seen.append((x.detach().to(dtype), dy, x.grad))
+    return lin, seen
+
+
+def float64_sum(seen) -> torch.Tensor:
+    return sum(dy.flatten(0, 1).double().T @ x.flatten(0, 1).double() for x, dy, _ in seen)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_weight_gradient_sums_in_fp32_and_activation_gradients_are_plain(dtype):
+    lin, seen = passes(dtype)
+    exact = float64_sum(seen)
+    torch.testing.assert_close(lin.grad_sink.double(), exact, rtol=1e-6, atol=1e-5)
+    assert lin.weight.grad is None
+    if dtype == torch.bfloat16:  # each pass rounded to bf16 before the sum, as autograd's .grad would be
+        rounded = sum((dy.flatten(0, 1).T @ x.flatten(0, 1)).float() for x, dy, _ in seen).double()
+        assert (rounded - exact).abs().max() > 10 * (lin.grad_sink.double() - exact).abs().max()
+    for x, dy, x_grad in seen:
+        torch.testing.assert_close(x_grad, (dy @ lin.weight).float(), rtol=0, atol=0)
+
+
+def test_autocast_over_fp32_weights_equals_bf16_weights():
+    """A layer run under autocast casts as autocast would, forward and backward alike."""
+    held = layer(torch.bfloat16)
+    masters = layer(torch.float32)
+    x = torch.randn(2, 24, 48)
+    dy = torch.randn(2, 24, 40).bfloat16()
+    held(x).backward(dy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = masters(x)
+    out.backward(dy)
+    assert torch.equal(held.grad_sink, masters.grad_sink)
+
+
+def test_without_a_buffer_or_without_grad_it_is_nn_linear():
+    lin = layer(torch.float32)
+    plain = nn.Linear(48, 40, bias=False)
+    plain.load_state_dict(lin.state_dict())
+    assert set(lin.state_dict()) == {"weight"}
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        assert torch.equal(lin(x), plain(x))
+    lin.grad_sink = None
+    lin(x).sum().backward()
+    plain(x).sum().backward()
+    assert torch.equal(lin.weight.grad, plain.weight.grad)
+
+
+def test_a_layer_used_twice_in_a_compiled_graph_adds_both_uses():
+    """The drafter's k/v projections run on the block and on the context: under
+    ``torch.compile`` both backward GEMMs add into the one buffer, as in eager."""
+    torch._dynamo.reset()
+    sums = []
+    for compiled in (False, True):
+        lin = layer(torch.bfloat16)
+        fn = (lambda a, b: lin(a).float().square().sum() + lin(b).float().sum())
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
+        g = torch.Generator().manual_seed(2)
+        for _ in range(2):
+            fn(torch.randn(5, 48, generator=g), torch.randn(7, 48, generator=g)).backward()
+        sums.append(lin.grad_sink)
+    assert sums[0].abs().sum() > 0
+    torch.testing.assert_close(sums[0], sums[1], rtol=1e-6, atol=1e-6)

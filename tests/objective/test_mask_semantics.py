@@ -1,0 +1,140 @@
+"""The drafter really uses the training mask (CPU path: dense mask, SDPA).
+
+Block j of the training forward must equal an inference-style forward (no mask)
+over the context ``features[:a_j]`` and that block alone; nothing at or after the
+anchor and nothing of another block may reach it; context before the anchor must.
+In float64, so the only differences are real ones.
+"""
+
+import pytest
+import torch
+from helpers import tiny_drafter, tiny_head
+
+from dflash.objective.masks import build_mask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B, VOCAB, HIDDEN, S = 4, 96, 64, 20
+MASK = VOCAB - 1
+# row 0 has an unfilled slot (anchor 0, keep False): it sees only its own block
+ANCHORS = torch.tensor([[2, 6, 13, 0], [1, 7, 9, 15]])
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    drafter = tiny_drafter(block_size=B).double().eval()
+    drafter.reset_parameters(0.2)  # larger weights: the context visibly moves the outputs
+    drafter.double()
+    head = tiny_head()
+    head.embed_weight.data = head.embed_weight.data.double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MASK, (2, S), generator=g)
+    features = torch.randn(2, S, 3 * HIDDEN, generator=g, dtype=torch.float64)
+    return drafter, head, ids, features
+
+
+def block_ids(ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """README: block j is [token[a_j], MASK x (B-1)]; built here by hand."""
+    out = torch.full((ids.shape[0], anchors.shape[1] * B), MASK)
+    for r in range(ids.shape[0]):
+        for j in range(anchors.shape[1]):
+            out[r, j * B] = ids[r, anchors[r, j]]
+    return out
+
+
+def train_forward(drafter, head, features, blk_ids, anchors=ANCHORS):
+    b, s = features.shape[:2]
+    positions = (anchors[..., None] + torch.arange(B)).flatten(1)
+    mask = build_mask(anchors, s, B, use_flex=False)
+    with torch.no_grad():
+        out = drafter(features, head.embed(blk_ids), torch.arange(s).expand(b, s), positions, mask)
+    return out.view(b, anchors.shape[1], B, -1)
+
+
+def infer_forward(drafter, head, features_row, blk_row, anchor):
+    """One block with its context cut at the anchor and no mask, as speculative decoding runs it."""
+    with torch.no_grad():
+        return drafter(
+            features_row[None, :anchor],
+            head.embed(blk_row[None]),
+            torch.arange(anchor)[None],
+            torch.arange(anchor, anchor + B)[None],
+        )[0]
+
+
+def test_each_block_equals_inference_on_its_truncated_context(setup):
+    drafter, head, ids, features = setup
+    blk = block_ids(ids, ANCHORS)
+    trained = train_forward(drafter, head, features, blk)
+    assert trained.dtype == torch.float64
+    for r in range(2):
+        for j in range(ANCHORS.shape[1]):
+            a = int(ANCHORS[r, j])
+            ref = infer_forward(drafter, head, features[r], blk[r, j * B : (j + 1) * B], a)
+            torch.testing.assert_close(trained[r, j], ref, **TOL, msg=f"row {r} block {j} (anchor {a})")
+
+
+def test_context_at_or_after_the_anchor_is_invisible(setup):
+    drafter, head, ids, features = setup
+    blk = block_ids(ids, ANCHORS)
+    base = train_forward(drafter, head, features, blk)
+    r, j = 1, 1
+    a = int(ANCHORS[r, j])
+    changed = features.clone()
+    changed[r, a:] += torch.randn_like(changed[r, a:]) * 3
+    after = train_forward(drafter, head, changed, blk)
+    torch.testing.assert_close(after[r, j], base[r, j], **TOL)
+    torch.testing.assert_close(after[r, : j + 1], base[r, : j + 1], **TOL)  # earlier anchors too
+    assert (after[r, j + 1 :] - base[r, j + 1 :]).abs().max() > 1e-3  # later anchors do see it
+    torch.testing.assert_close(after[1 - r], base[1 - r], **TOL)  # nor the other sequence
+
+
+def test_context_just_before_the_anchor_is_visible(setup):
+    drafter, head, ids, features = setup
+    blk = block_ids(ids, ANCHORS)
+    base = train_forward(drafter, head, features, blk)
+    r, j = 1, 1
+    a = int(ANCHORS[r, j])
+    for pos in (a - 1, 0):
+        changed = features.clone()
+        changed[r, pos] += torch.randn_like(changed[r, pos]) * 3
+        after = train_forward(drafter, head, changed, blk)
+        assert (after[r, j] - base[r, j]).abs().max() > 1e-4, f"feature at {pos} < anchor {a} did not reach block {j}"
+        # every slot of the block sees it, not only the anchor slot
+        assert ((after[r, j] - base[r, j]).abs().amax(-1) > 1e-6).all()
+
+
+def test_other_blocks_are_invisible(setup):
+    drafter, head, ids, features = setup
+    blk = block_ids(ids, ANCHORS)
+    base = train_forward(drafter, head, features, blk)
+    r, j = 1, 2
+    changed = blk.clone()
+    for other in range(ANCHORS.shape[1]):
+        if other != j:
+            changed[r, other * B] = (changed[r, other * B] + 17) % MASK  # another anchor token
+            changed[r, other * B + 2] = 5  # a slot that was MASK
+    after = train_forward(drafter, head, features, changed)
+    torch.testing.assert_close(after[r, j], base[r, j], **TOL)
+    assert (after[r, j - 1] - base[r, j - 1]).abs().max() > 1e-4  # the changed blocks did change
+
+
+def test_own_block_is_bidirectional(setup):
+    """The anchor slot sees the later slots of its block (no causal mask inside a block)."""
+    drafter, head, ids, features = setup
+    blk = block_ids(ids, ANCHORS)
+    base = train_forward(drafter, head, features, blk)
+    changed = blk.clone()
+    changed[0, 1 * B + 3] = 5  # last slot of block 1, row 0
+    after = train_forward(drafter, head, features, changed)
+    assert (after[0, 1, 0] - base[0, 1, 0]).abs().max() > 1e-4
+
+
+def test_unfilled_slot_sees_only_itself(setup):
+    drafter, head, ids, features = setup
+    blk = block_ids(ids, ANCHORS)
+    trained = train_forward(drafter, head, features, blk)
+    ref = infer_forward(drafter, head, features[0], blk[0, 3 * B :], 0)  # empty context
+    torch.testing.assert_close(trained[0, 3], ref, **TOL)

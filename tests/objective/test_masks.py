@@ -1,0 +1,111 @@
+"""The training mask against a brute-force reading of the spec."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from dflash.objective.masks import (
+    build_mask,
+    dense_mask,
+    dflash_mask_mod,
+    flex_block_mask,
+)
+
+
+def reference_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """Plain loops over docs/DESIGN.md section 1: strict context, bidirectional own block, no other block."""
+    b, n = anchors.shape
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    out = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)
+    for r in range(b):
+        for q in range(q_len):
+            j = q // block_size
+            for kv in range(kv_len):
+                if kv < ctx_len:
+                    out[r, 0, q, kv] = kv < int(anchors[r, j])
+                else:
+                    out[r, 0, q, kv] = (kv - ctx_len) // block_size == j
+    return out
+
+
+ANCHORS = torch.tensor([[3, 7, 12, 0], [5, 6, 9, 13]])
+
+
+def test_dense_mask_matches_spec():
+    got = build_mask(ANCHORS, ctx_len=18, block_size=4, use_flex=False)
+    assert torch.equal(got, reference_mask(ANCHORS, 18, 4))
+
+
+def test_context_is_strictly_before_anchor():
+    m = build_mask(ANCHORS, ctx_len=18, block_size=4, use_flex=False)
+    # block 0 of row 0 has anchor 3: keys 0,1,2 visible, key 3 (the anchor itself) not
+    assert m[0, 0, 0, :3].all() and not m[0, 0, 0, 3]
+    # every slot of the block sees the same context
+    assert torch.equal(m[0, 0, 0, :18], m[0, 0, 3, :18])
+
+
+def test_block_is_bidirectional_and_isolated():
+    m = build_mask(ANCHORS, ctx_len=18, block_size=4, use_flex=False)
+    block0 = m[1, 0, 0:4, 18:22]
+    assert block0.all(), "slot 0 must see slot 3 of its own block (no causal mask)"
+    assert not m[1, 0, 0:4, 22:].any(), "a block must not see other blocks"
+
+
+def test_flex_block_mask_matches_dense_on_cpu():
+    """The same mask_mod through create_block_mask and flex (CPU forward) equals SDPA with the dense mask."""
+    torch.manual_seed(0)
+    anchors = torch.tensor([[20, 50, 90, 0], [10, 33, 64, 100]])
+    ctx_len, bs = 128, 16
+    q_len, kv_len = anchors.shape[1] * bs, ctx_len + anchors.shape[1] * bs
+    mod = dflash_mask_mod(anchors, ctx_len, bs)
+    bm = create_block_mask(mod, 2, None, q_len, kv_len, device="cpu")
+    q = torch.randn(2, 4, q_len, 32)
+    k = torch.randn(2, 2, kv_len, 32)
+    v = torch.randn(2, 2, kv_len, 32)
+    flex = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    dense = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mod, 2, q_len, kv_len, torch.device("cpu")), enable_gqa=True)
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+
+
+BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+                "full_q_num_blocks", "full_q_indices")
+
+
+@pytest.mark.parametrize("ctx_len,num_anchors,block_size", [(128, 4, 16), (256, 24, 16), (200, 9, 10), (640, 40, 16)])
+def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size):
+    """Every tensor of the sort-free BlockMask equals create_block_mask's, padded anchors
+    (0) and lengths that are not multiples of the 128 block included."""
+    g = torch.Generator().manual_seed(ctx_len + num_anchors)
+    anchors = torch.randint(1, ctx_len, (3, num_anchors), generator=g).sort(-1).values
+    anchors[1, num_anchors // 2:] = 0  # unfilled slots
+    anchors[2] = 0
+    mod = dflash_mask_mod(anchors, ctx_len, block_size)
+    q_len = num_anchors * block_size
+    kv_len = ctx_len + q_len
+    want = create_block_mask(mod, 3, None, q_len, kv_len, device="cpu")
+    got = flex_block_mask(mod, 3, q_len, kv_len, torch.device("cpu"))
+    assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+    for name in BLOCK_FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+    assert torch.equal(got.to_dense(), want.to_dense())
+
+
+@pytest.mark.gpu
+def test_flex_matches_dense_sdpa_on_cuda():
+    torch.manual_seed(0)
+    anchors = torch.tensor([[20, 50, 90, 0], [10, 33, 64, 100]], device="cuda")
+    ctx_len, bs = 128, 16
+    q_len, kv_len = anchors.shape[1] * bs, ctx_len + anchors.shape[1] * bs
+    bm = build_mask(anchors, ctx_len, bs, use_flex=True)
+    dense = build_mask(anchors, ctx_len, bs, use_flex=False)
+    q = torch.randn(2, 4, q_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 2, kv_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 2, kv_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out_flex = torch.compile(flex_attention)(q, k, v, block_mask=bm, enable_gqa=True)
+    grads_flex = torch.autograd.grad(out_flex.float().square().sum(), (q, k, v))
+    out_sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)
+    grads_sdpa = torch.autograd.grad(out_sdpa.float().square().sum(), (q, k, v))
+    torch.testing.assert_close(out_flex, out_sdpa, atol=2e-2, rtol=2e-2)
+    for a, b in zip(grads_flex, grads_sdpa):
+        torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)

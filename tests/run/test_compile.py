@@ -1,0 +1,175 @@
+"""The compiled drafter step (``aot_eager`` on the CPU: Dynamo and AOTAutograd, no codegen)
+equals the eager step, keeps one graph per length bucket, and accumulates correctly."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from helpers import flat_grads, tiny_drafter, tiny_head
+from test_step import BS, batch, split
+
+from dflash.compile import (
+    CompileGuard,
+    CompileSettings,
+    RecompileError,
+    assert_main_thread,
+    compile_counts,
+    share_compile_threads,
+    warmup_turn,
+)
+from dflash.run.step import (
+    DrafterTrainer,
+    ObjectiveConfig,
+    build_optimizer,
+    cosine_schedule,
+)
+
+AOT = CompileSettings(drafter=True, target=False, backend="aot_eager", mode=None, strict=True, warmup_turns=1)
+
+
+def make_trainer(drafter, settings: CompileSettings | None, kl: bool = False, autocast: torch.dtype | None = None):
+    opt = build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
+    obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0, kl_weight=0.5 if kl else 0.0, chunk_size=16)
+    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1.0, autocast_dtype=autocast, compile_settings=settings)
+
+
+def with_topk(mb, pf, k=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    shape = (*mb.input_ids.shape, k)
+    pf.topk_values = torch.randn(shape, generator=g)
+    pf.topk_indices = torch.randint(0, 96, shape, generator=g)
+    return mb, pf
+
+
+@pytest.mark.parametrize("kl", [False, True])
+def test_compiled_steps_equal_eager(kl):
+    torch._dynamo.reset()
+    base = tiny_drafter(block_size=BS)
+    eager, compiled = make_trainer(copy.deepcopy(base), None, kl), make_trainer(copy.deepcopy(base), AOT, kl)
+    for step in range(3):
+        mb, pf = with_topk(*batch(rows=[0, 1], lengths=[32, 20], seed=step))
+        results = []
+        for trainer in (eager, compiled):
+            trainer.micro_step(mb, pf)
+            results.append(trainer.finish())
+        assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=1e-5)
+        assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=1e-4)
+    for a, b in zip(eager.drafter.parameters(), compiled.drafter.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_autocast_around_the_compiled_step_applies_inside():
+    """Autocast is entered outside the compiled call (so the graph stays cacheable):
+    the compiled step must still run its matmuls in bf16, exactly as eager does."""
+    torch._dynamo.reset()
+    base = tiny_drafter(block_size=BS)
+    trainers = [make_trainer(copy.deepcopy(base), s, autocast=torch.bfloat16) for s in (None, AOT)]
+    fp32 = make_trainer(copy.deepcopy(base), None)
+    mb, pf = batch(rows=[0, 1], lengths=[32, 20])
+    losses = []
+    for trainer in (*trainers, fp32):
+        trainer.micro_step(mb, pf)
+        losses.append(trainer.finish()["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    assert abs(losses[0] - losses[2]) > 1e-5 * losses[0]  # fp32 differs: bf16 really was used
+
+
+def test_compiled_bf16_micro_steps_sum_the_gradients_eager_sums():
+    """Under autocast the compiled backward adds each linear weight's gradient into its
+    fp32 buffer in place (dflash.model.linear): two micro-batches in, the buffers equal eager's,
+    no weight holds a ``.grad``, and the step is one graph."""
+    torch._dynamo.reset()
+    base = tiny_drafter(block_size=BS)
+    eager, compiled = (make_trainer(copy.deepcopy(base), s, autocast=torch.bfloat16) for s in (None, AOT))
+    before = compile_counts()["graphs"]
+    mb, pf = batch(rows=[0, 1, 2, 3], lengths=[32, 20, 30, 9])
+    for sl in (slice(0, 2), slice(2, 4)):
+        for trainer in (eager, compiled):
+            trainer.micro_step(*split(mb, pf, sl))
+    assert compile_counts()["graphs"] - before == 1
+    assert all(p.grad is None for p in compiled.compute.parameters())
+    assert all(g.abs().sum() > 0 for g in compiled.grads)
+    torch.testing.assert_close(flat_grads(eager), flat_grads(compiled), rtol=1e-5, atol=1e-7)
+
+
+def test_accumulation_under_compile_equals_one_micro_batch():
+    torch._dynamo.reset()
+    base = tiny_drafter(block_size=BS)
+    mb, pf = batch(rows=[0, 1, 2, 3], lengths=[32, 12, 30, 9])
+    one = make_trainer(copy.deepcopy(base), None)
+    one.micro_step(mb, pf)
+    m_one = one.finish()
+    two = make_trainer(copy.deepcopy(base), AOT)
+    for sl in (slice(0, 2), slice(2, 4)):
+        two.micro_step(*split(mb, pf, sl))
+    m_two = two.finish()
+    assert m_one["loss"] == pytest.approx(m_two["loss"], rel=1e-5)
+    for a, b in zip(one.drafter.parameters(), two.drafter.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_one_graph_per_bucket_and_strict_guard():
+    torch._dynamo.reset()
+    trainer = make_trainer(tiny_drafter(block_size=BS), AOT)
+    before = compile_counts()["graphs"]
+    trainer.warmup([batch(rows=[0, 1], lengths=[32, 30]), batch(rows=[0, 1], lengths=[16, 10], seq_len=16)])
+    assert compile_counts()["graphs"] - before == 2  # one per bucket
+    assert not flat_grads(trainer).any(), "warmup must leave no gradient behind"
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    # Other real lengths, same buckets: no new graph.
+    for lengths, seq_len in (([20, 9], 32), ([12, 14], 16)):
+        trainer.micro_step(*batch(rows=[2, 3], lengths=lengths, seq_len=seq_len))
+        trainer.finish()
+        assert guard.check("step") == {"recompiles": 0, "cudagraph_skips": 0}
+    # A length outside the warmed buckets compiles again: strict turns that into an error.
+    trainer.micro_step(*batch(rows=[0, 1], lengths=[20, 20], seq_len=24))
+    with pytest.raises(RecompileError, match="1 graph"):
+        guard.check("step 3")
+
+
+def test_model_work_only_on_the_main_thread():
+    assert_main_thread()
+    errors = []
+    worker = threading.Thread(target=lambda: errors.append(pytest.raises(RuntimeError, assert_main_thread)))
+    worker.start()
+    worker.join()
+    assert errors and "main thread" in str(errors[0].value)
+
+
+def test_warmup_turns():
+    # first rank of each role compiles cold in group 0, the rest share the remaining groups
+    assert [warmup_turn(r == 0, r, 3) for r in range(5)] == [0, 1, 2, 1, 2]
+    assert {warmup_turn(r == 0, r, 1) for r in range(4)} == {0}
+
+
+def test_compile_threads_are_shared_by_the_ranks_of_a_turn(monkeypatch):
+    import os
+
+    import torch._inductor.config as inductor
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(inductor, "compile_threads", inductor.compile_threads)
+    share_compile_threads(4)
+    assert inductor.compile_threads == 4
+    share_compile_threads(1)  # compiling alone: every core
+    assert inductor.compile_threads == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rope_tables_equal_the_formula_eager_and_compiled(dtype):
+    """``dflash::rope_cos_sin`` hides the tables from Inductor's fusion, not from the
+    math: both ways they are cos and sin of positions x inv_freq, bit for bit."""
+    from dflash.model.drafter import RotaryEmbedding
+
+    rope = RotaryEmbedding(64, 1e6)
+    positions = torch.randint(0, 40000, (2, 37))
+    freqs = positions.float()[..., None] * rope.inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    expected = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    compiled = torch.compile(lambda p: rope(p, dtype), backend="aot_eager", fullgraph=True)
+    for got in (rope(positions, dtype), compiled(positions)):
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
