@@ -23,8 +23,8 @@ demo: install
 test: install
 	$(PY) -m pytest -q -m "not gpu"
 
-test-gpu:
-	$(PYTHON) -m pytest -q -m gpu
+test-gpu: install
+	$(PY) -m pytest -q -m gpu
 
 clean:
 	rm -rf $(VENV) outputs

@@ -171,7 +171,7 @@ class Bench:
         with the warmup's report and the compile counters from just before it."""
         torch._dynamo.reset()
         reset_memory(self.device)
-        trainer = build_trainer(with_mode(self.job, mode), self.head, 0, 10**6)
+        trainer = build_trainer(with_mode(self.job, mode), self.head, 10**6)
         before = compile_counts()
         compile_breakdown()
         warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype), 0, 1)
@@ -368,7 +368,7 @@ def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], turns
     job = bench_job(overrides)
     text = job.target_config.get_text_config()
     head = TargetHead(*(torch.randn(text.vocab_size, text.hidden_size, device=job.device, dtype=job.dtype) for _ in range(2)))
-    trainer = build_trainer(job, head, 0, 10**6)
+    trainer = build_trainer(job, head, 10**6)
     turn = warmup_turn(rank == 0, rank, turns)
     share_compile_threads(sum(warmup_turn(r == 0, r, turns) == turn for r in range(world)))
 

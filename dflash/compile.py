@@ -31,13 +31,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch._functorch.config
 import torch._inductor.config
-from omegaconf import DictConfig
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -70,16 +69,16 @@ def _flag(value, device: torch.device) -> bool:
     return device.type == "cuda" if value == "auto" else bool(value)
 
 
-def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) -> CompileSettings:
-    c = cfg.compile
-    drafter = _flag(c.enabled, device)
-    mode = c.mode if device.type == "cuda" else None  # no CUDA graphs on the CPU
-    turns = c.warmup_turns
+def resolve_settings(c: Mapping, device: torch.device, num_buckets: int) -> CompileSettings:
+    """The ``compile`` config group for this device; sets the process's compile caches and limits."""
+    drafter = _flag(c["enabled"], device)
+    mode = c["mode"] if device.type == "cuda" else None  # no CUDA graphs on the CPU
+    turns = c["warmup_turns"]
     if turns == "auto":
         turns = 2 if device.type == "cuda" else 1
     if int(turns) < 1:
         raise ValueError(f"compile.warmup_turns={turns} must be >= 1 or auto")
-    use_cache_dir(c.cache_dir)
+    use_cache_dir(c["cache_dir"])
     # The loss is a custom autograd.Function whose forward and backward are pure
     # tensor code traced into the graph that keys the cache, so caching it is
     # sound; without this, ranks that warm up later re-trace instead of loading.
@@ -91,10 +90,10 @@ def resolve_settings(cfg: DictConfig, device: torch.device, num_buckets: int) ->
     torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8 * limit)
     return CompileSettings(
         drafter=drafter,
-        target=drafter and _flag(c.target, device),
-        backend=c.backend,
+        target=drafter and _flag(c["target"], device),
+        backend=c["backend"],
         mode=mode,
-        strict=bool(c.strict),
+        strict=bool(c["strict"]),
         warmup_turns=int(turns),
     )
 

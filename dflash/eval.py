@@ -15,7 +15,12 @@ from pathlib import Path
 
 import torch
 
-from dflash.decode.speculative import evaluate_datasets, format_table, load_prompts
+from dflash.decode.speculative import (
+    DecodeSettings,
+    evaluate_datasets,
+    format_table,
+    load_prompts,
+)
 from dflash.model.drafter import TargetHead
 from dflash.model.target import TargetSource
 
@@ -62,10 +67,11 @@ def main(argv: list[str] | None = None) -> dict:
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
     out = args.out or Path(args.drafter).resolve().parent / "eval.json"
-    report = evaluate_datasets(
-        target_model, tokenizer, args.drafter, head, datasets, args.max_prompts, args.max_new_tokens, out,
-        args.temperature, args.seed, args.block_size, args.target, args.chat_template_kwargs,
-    )
+    settings = DecodeSettings(max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
+                              temperatures=args.temperature, seed=args.seed, block_size=args.block_size,
+                              template_kwargs=args.chat_template_kwargs)
+    report = evaluate_datasets(target_model, tokenizer, args.drafter, head, datasets=datasets, out_path=out,
+                               settings=settings, target_name=args.target)
     print(format_table(report))
     print(f"lossless: {report['lossless']}  report: {out}")
     return report

@@ -48,14 +48,14 @@ import requests
 import torch
 import torch.distributed as dist
 import transformers
-from jinja2.exceptions import TemplateError
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from tqdm import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from dflash.data.dataset import BadRecord, conversation_turns, iter_records, parse_turn
-from dflash.decode.speculative import decoding_attention, encode_prompt, stop_ids
+from dflash.data import template
+from dflash.data.records import BadRecord, conversation_turns, iter_records, parse_turn
+from dflash.decode.speculative import decoding_attention
 from dflash.device import peak_memory_gib, pick_device, synchronize
 from dflash.model.target import RANDOM, TargetSource
 from dflash.run.config import compose_config, target_source
@@ -142,7 +142,7 @@ class Conversation:
 
 
 def source_turns(record: object) -> list[dict[str, str]]:
-    """The turns of a record of any shape :mod:`dflash.data.dataset` reads. Unlike training
+    """The turns of a record of any shape :mod:`dflash.data.records` reads. Unlike training
     (``parse_messages``), a record needs no reply and may hold empty ones: they are
     replaced, and a bare prompt is the common input."""
     turns = [parse_turn(turn) for turn in conversation_turns(record)]
@@ -184,7 +184,7 @@ class Work:
         return sum(map(len, self.windows.values()))
 
 
-def find_work(path: str | Sequence[str], max_samples: int | None, window_size: int, rank: int, world: int,
+def find_work(path: str | Sequence[str], max_samples: int | None, window_size: int, rank: int, *, world: int,
               done: set[str]) -> Work:
     """Read the input once: every key, and this rank's share of what is not done yet."""
     work = Work([], {}, [])
@@ -390,16 +390,6 @@ def generation_config(model: nn.Module, sampling: Sampling, stop: list[int] | in
     return config
 
 
-def template_kwargs(tokenizer: PreTrainedTokenizerBase, kwargs: Mapping) -> dict:
-    """The keyword arguments the chat template reads; one it never mentions (thinking
-    asked of a template without it) is dropped with a warning rather than ignored silently."""
-    template = str(tokenizer.chat_template)
-    unused = [k for k in kwargs if k not in template]
-    if unused:
-        log.warning("the chat template does not read %s: ignored", unused)
-    return {k: v for k, v in kwargs.items() if k not in unused}
-
-
 def batch_seed(seed: int, *where: int) -> int:
     """The sampling seed of one batch, a function of its place alone (window, round,
     batch), so a sampled run is the same on any number of ranks."""
@@ -407,24 +397,28 @@ def batch_seed(seed: int, *where: int) -> int:
 
 
 class LocalTarget:
-    """The target through transformers' ``generate``: left-padded batches that stop at
-    the end-of-turn tokens (the tokenizer's eos and the generation config's)."""
+    """The target through transformers' ``generate``: left-padded batches that stop where
+    a reply ends (:func:`dflash.data.template.reply_end_ids`), as training's replies do.
+    A template argument the chat template never reads (thinking asked of a template
+    without it) is warned about rather than ignored silently."""
 
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase, sampling: Sampling):
         self.model, self.tokenizer = model, tokenizer
-        self.stop = sorted(stop_ids(tokenizer, model))
+        self.ends = template.reply_end_ids(tokenizer, model.generation_config)
+        self.stop = sorted(self.ends)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
         self.config = generation_config(model, sampling, self.stop, self.pad_id)
-        self.kwargs = template_kwargs(tokenizer, sampling.template_kwargs)
+        self.kwargs = dict(sampling.template_kwargs)
+        unread = template.unread_kwargs(tokenizer, self.kwargs)
+        if unread:
+            log.warning("the chat template does not read %s: ignored", unread)
         self.max_positions = model.config.get_text_config().max_position_embeddings
         self.device = model.get_input_embeddings().weight.device
 
     def encode(self, messages: list[dict[str, str]]) -> list[int]:
-        """Prompt ids ending in the assistant header, rendered as a server renders them."""
-        try:
-            return encode_prompt(self.tokenizer, messages, self.kwargs)[0].tolist()
-        except TemplateError as e:
-            raise BadRecord(f"template: the chat template refuses this conversation: {e}") from None
+        """Prompt ids ending in the assistant header, rendered as training renders them
+        (and a server); a template that refuses the conversation is a ``template`` problem."""
+        return template.prompt_ids(self.tokenizer, messages, self.kwargs)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seed: int) -> list[Reply]:
@@ -442,10 +436,10 @@ class LocalTarget:
 
     def reply(self, tokens: list[int]) -> Reply:
         """Cut at the first end-of-turn token (what follows is padding); none: broken off."""
-        end = next((i for i, t in enumerate(tokens) if t in self.stop), None)
+        end = template.end_of_reply(tokens, self.ends)
         if end is None:
             return Reply(self.tokenizer.decode(tokens), len(tokens), False)
-        return Reply(self.tokenizer.decode(tokens[:end]), end + 1, True)
+        return Reply(self.tokenizer.decode(tokens[: end - 1]), end, True)
 
 
 def prepare_round(target: LocalTarget, active: list[Conversation]) -> list[tuple[Conversation, list[int]]]:
@@ -467,7 +461,7 @@ def prepare_round(target: LocalTarget, active: list[Conversation]) -> list[tuple
     return prompts
 
 
-def regenerate_local(target: LocalTarget, work: Work, batch_size: int, seed: int, writer: ShardWriter,
+def regenerate_local(target: LocalTarget, work: Work, batch_size: int, seed: int, *, writer: ShardWriter,
                      progress: Progress) -> int:
     """Each window in rounds: round ``r`` generates the ``r``-th reply of every record that
     needs one, in batches of similar length. Returns the tokens generated."""
@@ -572,7 +566,8 @@ def converse(server: Server, conversation: Conversation) -> Conversation:
     return conversation
 
 
-def regenerate_server(server: Server, work: Work, concurrency: int, writer: ShardWriter, progress: Progress) -> int:
+def regenerate_server(server: Server, work: Work, concurrency: int, writer: ShardWriter, *, progress: Progress
+                      ) -> int:
     """Records in a pool of ``concurrency`` threads (the server batches them), written as
     they finish. A failure cancels what has not started. Returns the tokens generated."""
     tokens = 0
@@ -626,7 +621,7 @@ def regenerate(args: argparse.Namespace, cfg: DictConfig) -> dict | None:
     directory = parts_dir(out)
     sampling = sampling_of(args, cfg)
     done = finished_keys(directory)
-    work = find_work(cfg.data.path, cfg.data.max_samples, args.batch_size * args.window, rank, world, done)
+    work = find_work(cfg.data.path, cfg.data.max_samples, args.batch_size * args.window, rank, world=world, done=done)
     check_settings(directory, settings_of(args, cfg, sampling))  # after the input proved readable
     log.info("rank %d of %d: %d records, %d done before, %d to regenerate here, %d unreadable", rank, world,
              len(work.keys), len(done & set(work.keys)), work.pending, len(work.skipped))
@@ -639,10 +634,10 @@ def regenerate(args: argparse.Namespace, cfg: DictConfig) -> dict | None:
             tokens = 0
         elif args.server:
             tokens = regenerate_server(Server(args.server, args.model, sampling), work, args.concurrency, writer,
-                                       progress)
+                                       progress=progress)
         else:
-            tokens = regenerate_local(load_local(cfg, sampling), work, args.batch_size, sampling.seed, writer,
-                                      progress)
+            tokens = regenerate_local(load_local(cfg, sampling), work, args.batch_size, sampling.seed, writer=writer,
+                                      progress=progress)
     finally:
         progress.close()
         writer.close()
@@ -688,7 +683,7 @@ def bench_source(cfg: DictConfig, seed: int) -> TargetSource:
     return TargetSource(path, target.trust_remote_code, target.get("shape"), seed)
 
 
-def bench(cfg: DictConfig, prompts: int, batch_size: int, prompt_len: int, sampling: Sampling) -> dict:
+def bench(cfg: DictConfig, prompts: int, batch_size: int, prompt_len: int, *, sampling: Sampling) -> dict:
     """Generation throughput on random-token prompts: no tokenizer, exactly
     ``max_new_tokens`` per prompt (the end-of-turn token is held back), so random
     weights at a preset's shape measure what a real target of that shape would."""
@@ -780,7 +775,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if (args.bench or args.merge) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise SystemExit("--bench and --merge run in one process, not under torchrun")
     if args.bench:
-        report = bench(cfg, args.bench, args.batch_size, args.prompt_len, sampling_of(args, cfg))
+        report = bench(cfg, args.bench, args.batch_size, args.prompt_len, sampling=sampling_of(args, cfg))
         print(json.dumps(report, indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -26,7 +26,6 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.compile import assert_main_thread
-from dflash.decode.live import live_eval_settings
 from dflash.distributed.protocol import Protocol
 from dflash.distributed.topology import Topology, TopologyError
 from dflash.run.build import build_job, build_topology, timeouts
@@ -51,12 +50,12 @@ def dry_run(cfg: DictConfig, job) -> dict:
     """Print the plan and return, touching neither weights nor the output directory."""
     world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
     try:
-        plan = estimate(job, world, cfg.topology.target_ranks if world > 1 else 0)
-        check_fits(plan)
+        cost = estimate(job, world, cfg.topology.target_ranks if world > 1 else 0)
+        check_fits(cost)
     except (TopologyError, PlanError) as e:
         raise SystemExit(f"dry run: the plan is refused: {e}") from None
     if int(os.environ.get("RANK", 0)) == 0:
-        print(format_estimate(job, plan), flush=True)
+        print(format_estimate(job, cost), flush=True)
     return {"dry_run": True}
 
 
@@ -70,25 +69,25 @@ def train(cfg: DictConfig) -> dict:
     topo = build_topology(job)
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:
-        plan = estimate(job, 1 if topo is None else topo.world_size, topo.num_targets if topo else 0)
-        log.info("%s", format_estimate(job, plan))
+        cost = estimate(job, 1 if topo is None else topo.world_size, topo.num_targets if topo else 0)
+        log.info("%s", format_estimate(job, cost))
         try:
-            check_fits(plan)
+            check_fits(cost)
         except PlanError as e:
             log.warning("%s (an estimate: the run goes on)", e)
-    output_dir = Path(cfg.output_dir)
+    run_dir = job.settings.run_dir
     if topo is None or topo.rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        run_dir.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if topo is None:
         return run_colocated(job)
-    proto = Protocol(topo, job.device, timeouts(cfg), eval_link=live_eval_settings(cfg) is not None)
+    proto = Protocol(topo, job.device, timeouts(cfg), eval_link=job.settings.live is not None)
     try:
         proto.start()
         if topo.is_target:
             summary = run_target_rank(job, topo, proto)
         else:
-            output_dir.mkdir(parents=True, exist_ok=True)
+            run_dir.root.mkdir(parents=True, exist_ok=True)
             summary = run_drafter_rank(job, topo, proto)
     except BaseException:
         proto.abort()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from dflash.data.dataset import load_dataset
+from dflash.data.dataset import DataSettings, load_dataset
 from dflash.model.target import resolve_path
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     times = []
     for _ in range(2):
         began = time.perf_counter()
-        dataset = load_dataset(str(data), tokenizer, 320, 2, False, cache_dir=cache)
+        dataset = load_dataset(DataSettings(str(data), 320, 2, cache_dir=cache), tokenizer)
         times.append(time.perf_counter() - began)
     print(json.dumps({
         "samples": args.samples, "kept": len(dataset), "cold_s": round(times[0], 2),

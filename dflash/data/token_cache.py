@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when what tokenisation produces changes (mask rules, skip rules)
+FORMAT = 4  # bump when what tokenisation produces changes (mask rules, skip rules; 4: the one end-of-reply rule)
 
 
 @dataclass

@@ -29,15 +29,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from dflash.decode.speculative import (
+    DecodeSettings,
     decoding_attention,
     encode_prompt,
     evaluate_steps,
@@ -55,61 +55,27 @@ SLOW_SLICE_MS = 250.0  # a slice this long holds up the target's next prefill: e
 
 @dataclass(frozen=True)
 class LiveEvalSettings:
+    """Evaluations while training: every ``every`` steps, the held-out prompts decoded as
+    ``decode`` says (at each of its temperatures)."""
+
     every: int
     prompts_path: str
-    max_prompts: int
-    max_new_tokens: int
-    temperatures: tuple[float, ...]
-    template_kwargs: dict
+    decode: DecodeSettings
 
     def due(self, step: int, total_steps: int) -> bool:
         """After this step? The last step is left to the evaluation of the export."""
         return step % self.every == 0 and step < total_steps
 
 
-def eval_every(cfg: DictConfig) -> int:
-    """``eval.every`` when evaluations while training will run (``eval.enabled``), else 0."""
-    return int(cfg.eval.get("every") or 0) if cfg.eval.enabled else 0
-
-
-def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
-    """``None`` unless ``eval.every > 0`` and there are held-out prompts. Checks the
-    evaluation budgets at start, for the export's evaluation too."""
-    if cfg.eval.enabled:
-        for key in ("max_prompts", "max_new_tokens"):
-            if int(cfg.eval[key]) < 1:
-                raise ValueError(f"eval.{key}={cfg.eval[key]} must be at least 1 (or eval.enabled=false)")
-    every = eval_every(cfg)
-    if every <= 0:
-        return None
-    if not cfg.data.eval_path:
-        raise ValueError(f"eval.every={every} needs held-out prompts: set data.eval_path")
-    temperature = cfg.eval.get("temperature")
-    temperatures = (0.0,) if temperature is None else (0.0, float(temperature))
-    return LiveEvalSettings(every, str(cfg.data.eval_path), int(cfg.eval.max_prompts), int(cfg.eval.max_new_tokens),
-                            temperatures, template_kwargs(cfg))
-
-
-def evaluates_export(cfg: DictConfig) -> bool:
-    """Whether a completed run evaluates its export on the held-out prompts."""
-    return bool(cfg.eval.enabled and cfg.data.eval_path)
-
-
-def check_held_out_prompts(cfg: DictConfig, tokenizer: PreTrainedTokenizerBase | None) -> None:
+def check_held_out_prompts(prompts_path: str, tokenizer: PreTrainedTokenizerBase | None,
+                           template_kwargs: dict) -> None:
     """Read and encode the first held-out prompt at start, on the rank that evaluates:
     otherwise a wrong ``data.eval_path``, or a tokenizer that cannot render it, fails
     only at the export's evaluation, after training."""
-    if not evaluates_export(cfg):
-        return
     if tokenizer is None:
         raise ValueError("data.eval_path needs a tokenizer to encode its prompts and this target has none (a random "
                          "target): set target.tokenizer (e.g. target.tokenizer=demo) or eval.enabled=false")
-    encode_prompt(tokenizer, load_prompts(str(cfg.data.eval_path), 1)[0], template_kwargs(cfg))
-
-
-def template_kwargs(cfg: DictConfig) -> dict:
-    """The chat template arguments training renders prompts with (absent for synthetic data)."""
-    return dict(cfg.data.get("chat_template_kwargs") or {})
+    encode_prompt(tokenizer, load_prompts(prompts_path, 1)[0], template_kwargs)
 
 
 def flat_weights(drafter: nn.Module, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +92,7 @@ class Evaluator:
     def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, head: TargetHead, config: DrafterConfig,
                  settings: LiveEvalSettings):
         self.target, self.tokenizer, self.head, self.settings = target, tokenizer, head, settings
-        self.prompts = load_prompts(settings.prompts_path, settings.max_prompts)
+        self.prompts = load_prompts(settings.prompts_path, settings.decode.max_prompts)
         weight = head.embed_weight
         with torch.device(weight.device):  # its weights arrive with each evaluation: no host init of 1B parameters
             drafter = DFlashDrafter(config)
@@ -152,17 +118,17 @@ class Evaluator:
         self.step, self.began, self.job = step, time.perf_counter(), self._run()
 
     def _run(self) -> Generator[str, None, dict]:
-        results = yield from self._decode(self.settings.max_new_tokens, self.greedy)
+        results = yield from self._decode(self.settings.decode.max_new_tokens, self.greedy)
         return eval_record(self.step, results, time.perf_counter() - self.began)
 
     def _decode(self, max_new_tokens: int, greedy: dict[int, list[int]]) -> Generator[str, None, list[dict]]:
         """Every held-out prompt at every temperature, up to ``max_new_tokens`` each."""
-        s = self.settings
+        settings = replace(self.settings.decode, max_new_tokens=max_new_tokens)
         results = []
-        for t in s.temperatures:
+        for t in settings.temperatures:
             results.append((yield from evaluate_steps(
-                self.target.model, self.tokenizer, self.drafter, self.head, self.prompts, max_new_tokens, t,
-                template_kwargs=s.template_kwargs, greedy_outputs=greedy,
+                self.target.model, self.tokenizer, self.drafter, self.head, prompts=self.prompts, settings=settings,
+                temperature=t, greedy_outputs=greedy,
             )))
         return results
 

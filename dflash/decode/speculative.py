@@ -44,8 +44,9 @@ import inspect
 import json
 import logging
 import time
-from collections.abc import Collection, Generator, Mapping, Sequence
+from collections.abc import Collection, Generator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
@@ -54,15 +55,31 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from dflash.data.dataset import BadRecord, conversation_turns, iter_records, parse_turn
+from dflash.data import template
+from dflash.data.records import BadRecord, conversation_turns, iter_records, parse_turn
 from dflash.model.drafter import DFlashDrafter, TargetHead
 from dflash.model.export import load_export
-from dflash.model.target import TargetSource
 
 log = logging.getLogger("dflash.decode.speculative")
 
 T = TypeVar("T")
 
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How prompt sets are decoded and measured (the ``eval`` config group, the
+    ``dflash.eval`` options)."""
+
+    max_new_tokens: int = 256  # per response
+    max_prompts: int = 64  # read from each prompt set
+    temperatures: tuple[float, ...] = (0.0,)  # 0: greedy, with the lossless check
+    seed: int = 0  # prompt i samples with a generator seeded seed + i
+    block_size: int | None = None  # None: the drafter's
+    template_kwargs: Mapping = field(default_factory=dict)  # data.chat_template_kwargs, as in training
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+        object.__setattr__(self, "template_kwargs", dict(self.template_kwargs or {}))
 
 
 # ---------------------------------------------------------------------------
@@ -95,7 +112,8 @@ def accept(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
     temperature: float,
-    generator: torch.Generator | None,
+    *,
+    generator: torch.Generator | None = None,
 ) -> tuple[int, int]:
     """How many of the ``B - 1`` drafts the target keeps, and the token it adds after them.
 
@@ -126,11 +144,7 @@ def accept(
 
 def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> list[int]:
     """Cut after the first stop token and at the budget; a cycle may overshoot both."""
-    for i, t in enumerate(tokens):
-        if t in eos_ids:
-            tokens = tokens[: i + 1]
-            break
-    return tokens[:max_new_tokens]
+    return tokens[: template.end_of_reply(tokens, eos_ids) or len(tokens)][:max_new_tokens]
 
 
 def decoding_attention() -> AbstractContextManager[None]:
@@ -165,6 +179,7 @@ def speculative_steps(
     drafter: DFlashDrafter,
     head: TargetHead,
     prompt_ids: torch.Tensor,
+    *,
     max_new_tokens: int,
     temperature: float = 0.0,
     eos_ids: Collection[int] = (),
@@ -204,7 +219,7 @@ def speculative_steps(
         drafts = sample(draft_logits, temperature, generator)
         block[0, 1:] = drafts
         out = with_cache(target_model, cache, input_ids=block, output_hidden_states=True)
-        n, bonus = accept(drafts, draft_logits, out.logits[0].float(), temperature, generator)
+        n, bonus = accept(drafts, draft_logits, out.logits[0].float(), temperature, generator=generator)
         if n + 1 < block_size:  # negative crop = drop that many; 4.57 and 5.x agree on this spelling
             cache.crop(-(block_size - n - 1))
         features = torch.cat([features, context_features(out.hidden_states, cfg.target_layer_ids)[:, : n + 1]], dim=1)
@@ -283,7 +298,7 @@ def prompt_of(record: object) -> list[dict[str, str]]:
 
 def load_prompts(path: str, max_prompts: int, key: str = "data.eval_path") -> list[list[dict[str, str]]]:
     """The first ``max_prompts`` prompts of a prompt set in any format training reads
-    (:func:`dflash.data.dataset.iter_records`); unreadable records are skipped and counted.
+    (:func:`dflash.data.records.iter_records`); unreadable records are skipped and counted.
     Errors name ``key``, the setting the path came from."""
     prompts, bad = [], []
     for where, record in iter_records(path, key):
@@ -308,22 +323,10 @@ def encode_prompt(
 ) -> torch.Tensor:
     """Chat-templated prompt ids ``[1, S]``, ending in the assistant header, rendered with
     the template arguments training used (``data.chat_template_kwargs``, e.g. Qwen3's
-    ``enable_thinking``), so the drafter is measured in the context it learned.
-
-    Rendered to text first: transformers 5 returns a dict from a tokenizing
-    ``apply_chat_template``, and the template already holds any BOS.
+    ``enable_thinking``), so the drafter is measured in the context it learned: the
+    renderer training uses (:func:`dflash.data.template.prompt_ids`).
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         **dict(template_kwargs or {}))
-    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
-
-
-def stop_ids(tokenizer: PreTrainedTokenizerBase, target_model: nn.Module) -> set[int]:
-    """Tokens that end a response: tokenizer eos, ``<|im_end|>`` and the generation config's eos."""
-    ids = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    generation_eos = getattr(getattr(target_model, "generation_config", None), "eos_token_id", None)
-    ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
-    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
+    return torch.tensor([template.prompt_ids(tokenizer, messages, template_kwargs)], dtype=torch.long)
 
 
 def check_compatible(target_model: nn.Module, drafter: DFlashDrafter) -> None:
@@ -354,15 +357,15 @@ def evaluate_steps(
     tokenizer: PreTrainedTokenizerBase,
     drafter: DFlashDrafter,
     head: TargetHead,
+    *,
     prompts: list[list[dict[str, str]]],
-    max_new_tokens: int,
+    settings: DecodeSettings,
     temperature: float = 0.0,
-    seed: int = 0,
-    block_size: int | None = None,
-    template_kwargs: Mapping | None = None,
     greedy_outputs: dict[int, list[int]] | None = None,
 ) -> Generator[str, None, dict]:
-    """Speculative decoding over ``prompts``; at temperature 0 also the lossless check.
+    """Speculative decoding over ``prompts`` at ``temperature``, up to
+    ``settings.max_new_tokens`` each; at temperature 0 also the lossless check.
+    Responses end at the tokens of :func:`dflash.data.template.reply_end_ids`.
     Pauses after every prompt's prefill, drafting cycle, baseline token and divergence
     measure (``wall_s`` then includes whatever ran in the pauses).
 
@@ -372,22 +375,24 @@ def evaluate_steps(
     (one dict per evaluator) decode the baseline once, not at every evaluation: it is
     the larger share of an evaluation, one target forward per token.
 
-    Each prompt gets its own generator seeded ``seed + index``, so a sampled
+    Each prompt gets its own generator seeded ``settings.seed + index``, so a sampled
     response does not depend on which prompts ran before it.
     """
     check_compatible(target_model, drafter)
-    block_size = block_size or drafter.config.block_size
+    block_size = settings.block_size or drafter.config.block_size
+    max_new_tokens = settings.max_new_tokens
     device = head.embed_weight.device
-    eos_ids = stop_ids(tokenizer, target_model)
+    eos_ids = template.reply_end_ids(tokenizer, getattr(target_model, "generation_config", None))
 
     started = time.perf_counter()
     encoded, outputs, acceptance = [], [], []
     for i, messages in enumerate(prompts):
-        ids = encode_prompt(tokenizer, messages, template_kwargs).to(device)
+        ids = encode_prompt(tokenizer, messages, settings.template_kwargs).to(device)
         encoded.append(ids)
-        generator = torch.Generator(device).manual_seed(seed + i)
+        generator = torch.Generator(device).manual_seed(settings.seed + i)
         tokens, lengths = yield from speculative_steps(
-            target_model, drafter, head, ids, max_new_tokens, temperature, eos_ids, generator, block_size
+            target_model, drafter, head, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+            eos_ids=eos_ids, generator=generator, block_size=block_size,
         )
         outputs.append(tokens)
         acceptance.append(lengths)
@@ -434,30 +439,26 @@ def evaluate_datasets(
     tokenizer: PreTrainedTokenizerBase,
     drafter_dir: str | Path,
     head: TargetHead,
+    *,
     datasets: dict[str, str],
-    max_prompts: int,
-    max_new_tokens: int,
     out_path: str | Path,
-    temperatures: Sequence[float] = (0.0,),
-    seed: int = 0,
-    block_size: int | None = None,
+    settings: DecodeSettings,
     target_name: str | None = None,
-    template_kwargs: Mapping | None = None,
 ) -> dict:
-    """Evaluate the export on every dataset and temperature, write the report, return it.
+    """Evaluate the export on every dataset (name: path) at every temperature of
+    ``settings``, write the report to ``out_path``, return it.
 
     The drafter is loaded from its export directory, so what is measured is the
     artefact a serving engine would load, not the in-memory training copy.
     """
     drafter = load_export(drafter_dir, head.embed_weight.device, head.embed_weight.dtype)
-    block_size = block_size or drafter.config.block_size
+    temperatures = settings.temperatures
     results = {}
     for name, path in datasets.items():
-        prompts = load_prompts(path, max_prompts)
+        prompts = load_prompts(path, settings.max_prompts)
         for t in temperatures:
             key = name if len(temperatures) == 1 else f"{name}@{t:g}"
-            r = evaluate(target_model, tokenizer, drafter, head, prompts, max_new_tokens, t, seed, block_size,
-                         template_kwargs)
+            r = evaluate(target_model, tokenizer, drafter, head, prompts=prompts, settings=settings, temperature=t)
             results[key] = {"dataset": name, **r}
             log.info("%s: tau %s, lossless %s, %d tokens in %.1f s", key, r["tau"], r["lossless"],
                      r["new_tokens"], r["wall_s"])
@@ -468,7 +469,7 @@ def evaluate_datasets(
     report = {
         "target": target_name or str(getattr(target_model.config, "name_or_path", "")),
         "drafter": str(drafter_dir),
-        "block_size": block_size,
+        "block_size": settings.block_size or drafter.config.block_size,
         "tau": sum(first) / len(first) if first else None,
         "lossless": all(greedy) if greedy else None,
         "results": results,

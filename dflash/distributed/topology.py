@@ -20,6 +20,9 @@ class TopologyError(ValueError):
 
 @dataclass(frozen=True)
 class Topology:
+    """This rank's place in a disaggregated job and the schedule every rank derives
+    alike from the same five numbers, so no rank asks another who sends what."""
+
     world_size: int
     rank: int
     num_targets: int  # T

@@ -96,6 +96,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
+    def _apply(self, fn, recurse: bool = True):
+        """Moves follow the module, casts do not: the frequencies stay fp32, as training
+        and the serving engines compute them. Cast to bf16 with the rest of a decoding
+        copy, they would rotate position 1000 by angles off by up to a radian."""
+        kept = self.inv_freq
+        super()._apply(fn, recurse)
+        if not kept.is_meta and self.inv_freq.dtype != kept.dtype:
+            self.inv_freq = kept.to(self.inv_freq.device)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = torch.ops.dflash.rope_cos_sin(positions, self.inv_freq, dtype)
         return cos[:, None], sin[:, None]

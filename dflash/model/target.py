@@ -282,17 +282,22 @@ class TargetSource:
             return None
         else:
             local = resolve_path(self.path)
-        return AutoTokenizer.from_pretrained(local, trust_remote_code=self.trust_remote_code, local_files_only=True)
-
-    def load(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
-        """The frozen model and its tokenizer; nothing is downloaded."""
-        config, tokenizer = self.config(), self.tokenizer()
-        vocab_size = config.get_text_config().vocab_size
+        tokenizer = AutoTokenizer.from_pretrained(local, trust_remote_code=self.trust_remote_code, local_files_only=True)
+        vocab_size = self.config().get_text_config().vocab_size
         if self.tokenizer_path and len(tokenizer) > vocab_size:
             raise ValueError(f"target.tokenizer={self.tokenizer_path!r} has {len(tokenizer)} tokens, more than the "
                              f"target's vocab_size {vocab_size}")
+        return tokenizer
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+        """The frozen model and its tokenizer; nothing is downloaded."""
+        return self.model(device, dtype), self.tokenizer()
+
+    def model(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The frozen model alone (a run reads the tokenizer once, when it plans)."""
+        config = self.config()
         if self.is_random:
-            return random_target(config, device, dtype, self.seed), tokenizer
+            return random_target(config, device, dtype, self.seed)
         model = AutoModelForCausalLM.from_pretrained(
             resolve_path(self.path),
             config=config,
@@ -301,7 +306,7 @@ class TargetSource:
             local_files_only=True,
             attn_implementation="sdpa",
         ).to(device)
-        return model.eval().requires_grad_(False), tokenizer
+        return model.eval().requires_grad_(False)
 
     def head(self, device: torch.device, dtype: torch.dtype) -> TargetHead:
         """Only the embedding and LM head, read straight from the safetensors.

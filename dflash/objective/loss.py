@@ -28,7 +28,7 @@ def decay_weights(block_size: int, gamma: float, device: torch.device | None = N
 
 
 def default_gamma(block_size: int) -> float:
-    """The paper's decay: 7 for B=16, 5 for B=10, 4 for B=8; (B-2)/2 for other sizes."""
+    """The paper's decay: 7 for B=16, 5 for B=10, 4 for B=8; max(1, (B-2)/2) for other sizes."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, (block_size - 2) / 2))
 
 

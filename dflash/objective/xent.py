@@ -5,9 +5,10 @@ Per loss chunk the LM head writes ``[rows, V]`` logits (at Qwen3-8B shapes 4096 
 log-sum-exp and argmax, the label's logit, and the logits' gradient
 ``row_scale * softmax - label_scale * onehot``. The least traffic that takes is
 two reads of the logits and one write of the gradient. Compiled from the plain
-PyTorch formula, Inductor's kernels took 4.2 ms per micro-step on the H200
-against about 1.7 ms for that traffic: ``logsumexp`` keeps max and sum apart and
-the argmax is a third reduction. Here, on CUDA, one Triton kernel reads each row
+PyTorch formula, Inductor's kernels move more than that: ``logsumexp`` keeps max
+and sum apart and the argmax is a third reduction (the timings are in
+BENCHMARKS.md, "NVIDIA H200 ... Qwen3-8B shapes", the vocabulary pass; ``python
+tools/xent_probe.py`` measures them). Here, on CUDA, one Triton kernel reads each row
 once for all the statistics (an online softmax whose running max also carries
 the argmax), and a second writes the gradient. Elsewhere the op is the PyTorch
 formula, which is also the reference the kernels are tested against.

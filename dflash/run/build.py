@@ -1,7 +1,10 @@
-"""From the config to the parts of a run: the job, the topology, the target side, the trainer.
+"""From the config to the parts of a run: the job, the topology, the target side, the
+drafter side.
 
 Everything here is construction; :mod:`dflash.run.roles` runs the parts. Both sides
-take every shared number from :class:`dflash.plan.Plan`.
+take every shared number from :class:`dflash.run.plan.Plan` and every other setting
+from :class:`dflash.run.settings.RunSettings`; below this module nothing reads the
+Hydra config.
 """
 
 from __future__ import annotations
@@ -9,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -18,32 +20,33 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedToken
 
 from dflash.compile import CompileSettings, resolve_settings
 from dflash.data.bundle import MicroBatch, random_batch, random_prefill, to_device
-from dflash.data.dataset import (
-    Dataset,
-    SampleOrder,
-    collate,
-    load_dataset,
-    synthetic_dataset,
-)
+from dflash.data.dataset import Dataset, DataSettings, load_dataset, synthetic_dataset
+from dflash.data.order import SampleOrder, collate
 from dflash.device import pick_device
-from dflash.distributed.protocol import Timeouts
+from dflash.distributed.protocol import Protocol, Timeouts
 from dflash.distributed.topology import Topology, auto_target_ranks
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.model.target import RANDOM, PrefillOutput, Target, TargetSource
+from dflash.model.target import PrefillOutput, Target, TargetSource
+from dflash.run.checkpoint import resume_candidates
 from dflash.run.config import target_source
+from dflash.run.metrics import MetricsLogger
 from dflash.run.plan import Plan, resolve_plan
+from dflash.run.settings import RunSettings, run_settings
 from dflash.run.step import DrafterTrainer, build_optimizer, cosine_schedule
 
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Job:
-    """What this process resolved from the config before building anything."""
+    """What this process resolved from the config before building anything. ``cfg`` is
+    for the builders in this module; the roles read ``plan`` and ``settings``."""
 
     cfg: DictConfig
     source: TargetSource
     target_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # read once: the plan's mask id and the target side's data
     plan: Plan
+    settings: RunSettings
     device: torch.device
     dtype: torch.dtype  # the target's weights and the drafter's autocast
     compile: CompileSettings
@@ -51,10 +54,11 @@ class Job:
 
 def build_job(cfg: DictConfig) -> Job:
     source = target_source(cfg)
-    target_config = source.config()
-    plan = resolve_plan(cfg, target_config)
+    target_config, tokenizer = source.config(), source.tokenizer()
+    plan = resolve_plan(cfg, target_config, tokenizer)
     device, dtype = pick_device()
-    return Job(cfg, source, target_config, plan, device, dtype, resolve_settings(cfg, device, len(plan.buckets)))
+    compile_settings = resolve_settings(OmegaConf.to_container(cfg.compile), device, len(plan.buckets))
+    return Job(cfg, source, target_config, tokenizer, plan, run_settings(cfg), device, dtype, compile_settings)
 
 
 def timeouts(cfg: DictConfig) -> Timeouts:
@@ -80,7 +84,7 @@ def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:
     """The target and the drafter on the meta device: shapes and parameter counts, no memory."""
     with torch.device("meta"):
         target = AutoModelForCausalLM.from_config(job.target_config, trust_remote_code=job.source.trust_remote_code)
-        drafter = DFlashDrafter(drafter_config(job, 0))
+        drafter = DFlashDrafter(drafter_config(job))
     return target, drafter
 
 
@@ -100,7 +104,7 @@ def auto_split(job: Job, world: int) -> int:
     return split
 
 
-def drafter_config(job: Job, mask_token_id: int) -> DrafterConfig:
+def drafter_config(job: Job) -> DrafterConfig:
     """The drafter takes every shape but its depth from the target."""
     text, drafter = job.target_config.get_text_config(), job.cfg.drafter
     rope = getattr(text, "rope_parameters", None) or {}
@@ -114,7 +118,7 @@ def drafter_config(job: Job, mask_token_id: int) -> DrafterConfig:
         vocab_size=text.vocab_size,
         num_target_layers=text.num_hidden_layers,
         target_layer_ids=list(job.plan.layer_ids),
-        mask_token_id=mask_token_id,
+        mask_token_id=job.plan.mask_token_id,
         block_size=job.plan.block_size,
         rms_norm_eps=text.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 1_000_000.0))),
@@ -139,7 +143,8 @@ class TargetSide:
         device once (the prefill, the send and the drafter step all read it there), then
         prefill."""
         epoch, indices = self.order.micro_batch(m)
-        batch = collate(self.dataset, epoch, indices, list(self.plan.buckets), self.pad_id, self.plan.anchor_spec())
+        batch = collate(self.dataset, epoch, indices, list(self.plan.buckets), pad_id=self.pad_id,
+                        spec=self.plan.anchor_spec())
         batch = batch.to(self.device)
         return batch, self.target.prefill(batch.input_ids, self.plan.topk)
 
@@ -153,29 +158,30 @@ class TargetSide:
 
 def build_target_side(job: Job) -> TargetSide:
     cfg, plan = job.cfg, job.plan
-    model, tokenizer = job.source.load(job.device, job.dtype)
-    target = Target(model, list(plan.layer_ids))
+    tokenizer = job.tokenizer
+    target = Target(job.source.model(job.device, job.dtype), list(plan.layer_ids))
     if job.compile.target:
         target.compile(job.compile)
     max_len = plan.max_len
     if cfg.data.path == "synthetic":
         vocab = job.target_config.get_text_config().vocab_size
-        dataset = synthetic_dataset(cfg.data.num_samples, max_len, vocab, cfg.data.prompt_fraction, plan.seed)
+        dataset = synthetic_dataset(cfg.data.num_samples, max_len, vocab, cfg.data.prompt_fraction, seed=plan.seed)
     else:
-        dataset = load_dataset(cfg.data.path, tokenizer, max_len, cfg.data.min_loss_tokens, cfg.data.strict,
-                               cfg.data.max_samples, cfg.data.cache_dir or None, cfg.topology.warmup_timeout_s,
-                               weights=cfg.data.weights, seed=plan.seed, template_kwargs=cfg.data.chat_template_kwargs)
+        dataset = load_dataset(DataSettings(
+            cfg.data.path, max_len, cfg.data.min_loss_tokens, strict=cfg.data.strict, max_samples=cfg.data.max_samples,
+            cache_dir=cfg.data.cache_dir or None, wait_s=cfg.topology.warmup_timeout_s, weights=cfg.data.weights,
+            seed=plan.seed, template_kwargs=cfg.data.chat_template_kwargs), tokenizer)
     skipped = dataset.skipped
     log.info("%d training samples, %d records skipped %s", len(dataset), sum(skipped.values()), dict(skipped))
     pad_id = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return TargetSide(target, tokenizer, dataset, plan.sample_order(len(dataset)), plan, pad_id, job.device)
 
 
-def build_trainer(job: Job, head: TargetHead, mask_token_id: int, steps: int) -> DrafterTrainer:
+def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
     """The drafter on the target's shapes (fp32 master weights, bf16 autocast on GPU)
     with AdamW and a cosine schedule over ``steps``."""
     train = job.cfg.train
-    config = drafter_config(job, mask_token_id)
+    config = drafter_config(job)
     torch.manual_seed(job.plan.seed)
     with torch.device(job.device):  # drawn where it trains: 14 s of host init for 1B parameters otherwise
         drafter = DFlashDrafter(config)
@@ -183,12 +189,12 @@ def build_trainer(job: Job, head: TargetHead, mask_token_id: int, steps: int) ->
     log.info(
         "drafter: %d layers at hidden %d, %.1fM trainable params, features from target layers %s, mask id %d",
         config.num_layers, config.hidden_size, sum(p.numel() for p in drafter.parameters()) / 1e6,
-        list(job.plan.layer_ids), mask_token_id,
+        list(job.plan.layer_ids), config.mask_token_id,
     )
     optimizer = build_optimizer(drafter, train.lr, train.weight_decay, tuple(train.betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(steps, train.warmup_ratio, train.min_lr_ratio))
     autocast = job.dtype if job.device.type == "cuda" else None
-    return DrafterTrainer(drafter, head, job.plan.objective(mask_token_id), optimizer, scheduler, train.grad_clip,
+    return DrafterTrainer(drafter, head, job.plan.objective(), optimizer, scheduler, train.grad_clip,
                           autocast, job.compile)
 
 
@@ -205,3 +211,55 @@ def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype) -> Non
         for seq_len in plan.buckets
     ]
     trainer.warmup(batches)
+
+
+@dataclass
+class DrafterSide:
+    """What trains the drafter on a drafter rank or in the colocated process: the
+    trainer on the frozen head, the step range it runs, and its metrics log."""
+
+    trainer: DrafterTrainer
+    head: TargetHead
+    start: int  # the step resumed from, agreed by every rank
+    steps: int
+    metrics: MetricsLogger
+
+
+def resume_step(settings: RunSettings, trainer: DrafterTrainer, group=None) -> int:
+    """Load the newest readable checkpoint (``resume``) and return its step; 0 for none.
+    Under ``resume=auto`` a checkpoint that is incomplete or unreadable is skipped
+    with a warning, falling back to the one before."""
+    root = settings.run_dir.checkpoints
+    candidates = resume_candidates(settings.resume, root)
+    for i, path in enumerate(candidates):
+        try:
+            step = trainer.restore(path, group)
+        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back alike
+            if i + 1 == len(candidates):
+                raise RuntimeError(
+                    f"no readable checkpoint under {root} (last tried {path}: {e}); resume=never starts over"
+                ) from e
+            log.warning("checkpoint %s is unreadable (%s: %s); falling back to %s", path, type(e).__name__, e,
+                        candidates[i + 1])
+            continue
+        log.info("resumed from %s at step %d", path, step)
+        return step
+    return 0
+
+
+def build_drafter_side(job: Job, head: TargetHead, steps: int, proto: Protocol | None = None,
+                       logs: bool = True) -> DrafterSide:
+    """The trainer resumed from the newest checkpoint, and the metrics log opened at that
+    step before the compile warmup (and with it the W&B run), so that a logging problem
+    ends the run in seconds. With ``proto`` the drafter ranks read their checkpoint under
+    a deadline and agree on the step; ``logs`` is false on all but the metrics rank."""
+    trainer = build_trainer(job, head, steps)
+    if proto is None:
+        start = resume_step(job.settings, trainer)
+    else:
+        with proto.phase("reading the checkpoint to resume from", proto.timeouts.warmup_s, proto.other_drafters()):
+            resumed = resume_step(job.settings, trainer, proto.drafters)
+        start = proto.agree_start(resumed)
+    settings = job.settings
+    metrics = MetricsLogger(settings.run_dir.root, settings.wandb, settings.config, start, logs)
+    return DrafterSide(trainer, head, start, steps, metrics)

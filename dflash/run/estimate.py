@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from dflash.data.bundle import shapes
-from dflash.decode.live import eval_every
 from dflash.distributed.topology import Topology
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import decoder_layers
@@ -166,7 +165,7 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
         + (tokens * text.vocab_size * 4 / GIB if plan.topk else 0.0),
         "bundles in flight": in_flight * bundle / GIB,
     }
-    if eval_every(job.cfg):
+    if job.settings.live:
         # the decoding copy of the drafter that evaluations while training run (rank 0; all, to be safe)
         target_gib["evaluation drafter"] = drafter_params * dtype_bytes / GIB
     queries = micro * plan.num_anchors * plan.block_size
@@ -236,8 +235,8 @@ def format_estimate(job: Job, e: Estimate) -> str:
         f"  FLOPs per sample: target prefill {e.target_flops / 1e12:.1f} T, drafter step {e.drafter_flops / 1e12:.1f} T "
         f"(max_len {plan.max_len}, {plan.num_anchors} anchors, block {plan.block_size})"
     )
-    every = eval_every(job.cfg)
-    if every:
+    if job.settings.live:
+        every = job.settings.live.every
         where = "in process" if e.world_size == 1 else "on target rank 0"
         lines.append(f"  eval: speculative decoding every {every} steps {where}, with a decoding copy of the "
                      f"drafter ({e.target_gib['evaluation drafter']:.1f} GiB, counted in the target's memory)")

@@ -41,6 +41,10 @@ def require_wandb(mode: str) -> None:
 
 
 class MetricsLogger:
+    """The metrics rank's sinks for one run: ``metrics.jsonl`` (cut back to the resume
+    step on a restart), the W&B run (resumed under a stable id) and the progress line.
+    On other ranks (``enabled=False``) every call does nothing."""
+
     def __init__(self, output_dir: Path, wandb_cfg: dict, run_config: dict, start_step: int, enabled: bool = True):
         self.enabled = enabled
         self.path = output_dir / "metrics.jsonl"

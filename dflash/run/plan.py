@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from dflash.data.dataset import SampleOrder
+from dflash.data.order import SampleOrder
 from dflash.distributed.topology import Topology
 from dflash.distributed.transport import Expected
 from dflash.model.drafter import default_target_layer_ids
+from dflash.model.target import resolve_mask_token_id
 from dflash.objective.anchors import AnchorSpec
 from dflash.objective.loss import default_gamma
 from dflash.run.step import ObjectiveConfig
@@ -25,6 +27,11 @@ from dflash.run.step import ObjectiveConfig
 
 @dataclass(frozen=True)
 class Plan:
+    """Every number of a run that target and drafter ranks must agree on.
+
+    Resolved once per process from the config and the target's HF config (the same
+    inputs on every rank), so the two sides cannot reach different values."""
+
     seed: int
     batch_size: int  # global sequences per optimizer step
     micro_batch_size: int  # sequences per drafter forward
@@ -35,6 +42,7 @@ class Plan:
     topk: int  # target logits per position sent for the KL loss
     layer_ids: tuple[int, ...]  # target layers whose hidden states form the context
     feature_dim: int  # len(layer_ids) x the target's hidden size
+    mask_token_id: int  # the embedding row of the drafted slots, checked against the target's vocabulary
     gamma: float
     ce_weight: float
     kl_weight: float
@@ -61,9 +69,9 @@ class Plan:
     def total_steps(self, num_samples: int) -> int:
         return self.max_steps or self.epochs * self.sample_order(num_samples).steps_per_epoch
 
-    def objective(self, mask_token_id: int) -> ObjectiveConfig:
+    def objective(self) -> ObjectiveConfig:
         return ObjectiveConfig(
-            block_size=self.block_size, mask_token_id=mask_token_id, gamma=self.gamma,
+            block_size=self.block_size, mask_token_id=self.mask_token_id, gamma=self.gamma,
             ce_weight=self.ce_weight, kl_weight=self.kl_weight, chunk_size=self.chunk_size,
         )
 
@@ -78,8 +86,9 @@ class Plan:
         return Topology(world_size, rank, num_targets, self.micro_batch_size, self.batch_size)
 
 
-def resolve_plan(cfg: DictConfig, target_config) -> Plan:
-    """The plan of ``cfg`` for a target with this HF config."""
+def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None) -> Plan:
+    """The plan of ``cfg`` for a target with this HF config and tokenizer (``None`` for a
+    random target without one: ``target.mask_token_id`` is then required)."""
     train, text = cfg.train, target_config.get_text_config()
     layer_ids = cfg.drafter.target_layer_ids or default_target_layer_ids(
         text.num_hidden_layers, cfg.drafter.num_context_features
@@ -96,6 +105,7 @@ def resolve_plan(cfg: DictConfig, target_config) -> Plan:
         topk=cfg.loss.kl_topk,
         layer_ids=tuple(layer_ids),
         feature_dim=len(layer_ids) * text.hidden_size,
+        mask_token_id=resolve_mask_token_id(tokenizer, text.vocab_size, cfg.target.mask_token_id),
         gamma=cfg.loss.gamma or default_gamma(block_size),
         ce_weight=cfg.loss.ce_weight,
         kl_weight=cfg.loss.kl_weight,

@@ -1,9 +1,10 @@
-"""What each kind of rank runs: the shared step loop, colocated, target and drafter.
+"""What each kind of rank runs: colocated, target and drafter.
 
 Colocated, one process runs the target prefill then the drafter step for each
 micro-batch. Disaggregated, target ranks produce bundles in schedule order and
-drafter ranks train on them; both walk the phases of :class:`dflash.protocol.Protocol`
-in one order. Each role returns its end-of-run summary.
+drafter ranks train on them; both walk the phases of :class:`dflash.distributed.protocol.Protocol`
+in one order. The builders of :mod:`dflash.run.build` assemble each side; a role
+only runs it, and returns its end-of-run summary.
 """
 
 from __future__ import annotations
@@ -13,13 +14,10 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from contextlib import nullcontext
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
 from dflash.compile import (
     CompileGuard,
@@ -27,17 +25,14 @@ from dflash.compile import (
     staggered_warmup,
     warmup_turn,
 )
-from dflash.data.bundle import MicroBatch
 from dflash.decode.live import (
     EvalServer,
     Evaluator,
     LocalEval,
     RemoteEval,
     check_held_out_prompts,
-    evaluates_export,
-    live_eval_settings,
-    template_kwargs,
 )
+from dflash.decode.speculative import evaluate_datasets, format_table
 from dflash.device import peak_memory_gib
 from dflash.distributed.protocol import Protocol
 from dflash.distributed.topology import Topology
@@ -49,17 +44,16 @@ from dflash.distributed.transport import (
     PipelineCounters,
 )
 from dflash.model.export import save_export
-from dflash.model.target import PrefillOutput, resolve_mask_token_id
 from dflash.run.build import (
     Job,
     TargetSide,
+    build_drafter_side,
     build_target_side,
-    build_trainer,
     drafter_config,
     warm_drafter,
 )
-from dflash.run.checkpoint import resume_candidates, save_checkpoint
-from dflash.run.metrics import MetricsLogger
+from dflash.run.loop import StepLoop
+from dflash.run.settings import RunSettings
 from dflash.run.step import DrafterTrainer
 
 log = logging.getLogger(__name__)
@@ -68,10 +62,8 @@ log = logging.getLogger(__name__)
 # topology.max_in_flight bundles) before it aborts its communicators
 ABORT_DELIVERY_S = 10.0
 
-Feed = Callable[[int], Iterator[tuple[MicroBatch, PrefillOutput]]]
 
-
-def log_warmup(cfg: DictConfig, reports: list[dict]) -> None:
+def log_warmup(settings: RunSettings, reports: list[dict]) -> None:
     """One line per rank and ``warmup.json``: who compiled, who loaded its cache from
     disk, who received its role's first rank's artifacts, and the bytes handed on."""
     lines = [
@@ -82,153 +74,42 @@ def log_warmup(cfg: DictConfig, reports: list[dict]) -> None:
         for r in reports
     ]
     log.info("compile warmup:\n%s", "\n".join(lines))
-    (Path(cfg.output_dir) / "warmup.json").write_text(json.dumps(reports, indent=1))
+    settings.run_dir.warmup.write_text(json.dumps(reports, indent=1))
 
 
-class StopRequested:
-    """SIGTERM flips a flag; training checkpoints at the next step boundary and exits."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        log.warning("SIGTERM: checkpointing at the end of this step")
-        self.requested = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
-
-
-def agree(flag: bool, device: torch.device, group) -> bool:
-    """True on every drafter rank if it is true on any (so all stop at one step)."""
-    if group is None:
-        return flag
-    vote = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=group)
-    return bool(vote.item())
-
-
-def run_steps(
-    cfg: DictConfig,
-    trainer: DrafterTrainer,
-    feed: Feed,
-    start: int,
-    steps: int,
-    metrics: MetricsLogger,
-    guard: CompileGuard,
-    proto: Protocol | None = None,
-    pipeline: Callable[[], dict] | None = None,
-    evaluator: LocalEval | RemoteEval | None = None,
-) -> int:
-    """The optimizer-step loop shared by the colocated and drafter roles; ``proto`` is
-    None in one process. ``evaluator`` runs speculative decoding every ``eval.every``
-    steps (:mod:`dflash.decode.live`). Returns the last completed step."""
-    train, ckpt_root = cfg.train, Path(cfg.output_dir) / "checkpoints"
-    group = proto.drafters if proto else None
-    def bounded(what: str):
-        return proto.phase(what, proto.timeouts.step_s, proto.other_drafters()) if proto else nullcontext()
-
-    stop = StopRequested()
-    metrics.begin()
-    in_a_row, skipped = 0, 0
-    step = start
-    try:
-        while step < steps:
-            for batch, prefill in feed(step):
-                trainer.micro_step(batch, prefill)
-            with bounded(f"reducing the gradients of step {step + 1}"):
-                result = trainer.finish(group)
-                extra = pipeline() if pipeline else {}
-                stopping = agree(stop.requested, trainer.device, group)
-            step += 1
-            extra.update(guard.check(f"step {step}"))
-            if result is None:
-                skipped += 1
-                in_a_row += 1
-                log.warning("step %d skipped: no valid anchor or a non-finite loss (%d in a row)", step, in_a_row)
-                if in_a_row >= train.max_nonfinite:
-                    raise RuntimeError(f"{in_a_row} steps in a row had no valid anchor or a non-finite loss")
-            else:
-                in_a_row = 0
-                metrics.count(result)
-                if step % train.log_every == 0 or step == steps:
-                    metrics.log_step(step, steps, result, {"skipped_steps": skipped, **extra})
-            for record in evaluator.after_step(step, trainer.drafter, lambda: stop.requested) if evaluator else ():
-                metrics.log_eval(record)
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == steps or stopping:
-                with bounded(f"saving the checkpoint of step {step}"):
-                    save_checkpoint(ckpt_root, step, trainer.drafter, trainer.optimizer, trainer.scheduler,
-                                    cfg.checkpoint.keep, group)
-            if stopping:
-                log.warning("stopped at step %d; run again with resume=auto to continue", step)
-                break
-    finally:
-        stop.restore()
-    return step
-
-
-def resume_step(cfg: DictConfig, trainer: DrafterTrainer, group=None) -> int:
-    """Load the newest readable checkpoint (``resume``) and return its step; 0 for none.
-    Under ``resume=auto`` a checkpoint that is incomplete or unreadable is skipped
-    with a warning, falling back to the one before."""
-    candidates = resume_candidates(str(cfg.resume), Path(cfg.output_dir) / "checkpoints")
-    for i, path in enumerate(candidates):
-        try:
-            step = trainer.restore(path, group)
-        except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back alike
-            if i + 1 == len(candidates):
-                raise RuntimeError(
-                    f"no readable checkpoint under {Path(cfg.output_dir) / 'checkpoints'} (last tried {path}: {e}); "
-                    "resume=never starts over"
-                ) from e
-            log.warning("checkpoint %s is unreadable (%s: %s); falling back to %s", path, type(e).__name__, e,
-                        candidates[i + 1])
-            continue
-        log.info("resumed from %s at step %d", path, step)
-        return step
-    return 0
-
-
-def export_drafter(cfg: DictConfig, trainer: DrafterTrainer, device: torch.device) -> Path:
-    export_dir = save_export(trainer.drafter, Path(cfg.output_dir) / "export", "bfloat16" if device.type == "cuda" else "float32")
+def export_drafter(settings: RunSettings, trainer: DrafterTrainer, device: torch.device) -> Path:
+    export_dir = save_export(trainer.drafter, settings.run_dir.export, "bfloat16" if device.type == "cuda" else "float32")
     log.info("exported the drafter to %s", export_dir)
     return export_dir
 
 
-def evaluate_export(cfg: DictConfig, side: TargetSide, export_dir: Path) -> dict:
+def evaluate_export(settings: RunSettings, side: TargetSide, export_dir: Path) -> dict:
     """Speculative decoding with the exported drafter on held-out prompts."""
-    from dflash.decode.speculative import evaluate_datasets, format_table
-
     side.target.uncompile()
+    held_out, report_path = settings.export_eval, settings.run_dir.eval_report
     report = evaluate_datasets(
-        side.target.model, side.tokenizer, export_dir, side.target.head(), {"heldout": cfg.data.eval_path},
-        cfg.eval.max_prompts, cfg.eval.max_new_tokens, Path(cfg.output_dir) / "eval.json", target_name=cfg.target.path,
-        template_kwargs=template_kwargs(cfg),
+        side.target.model, side.tokenizer, export_dir, side.target.head(), datasets={"heldout": held_out.prompts_path},
+        out_path=report_path, target_name=settings.target_name, settings=held_out.decode,
     )
-    log.info("speculative decoding with the export (%s):\n%s", Path(cfg.output_dir) / "eval.json", format_table(report))
+    log.info("speculative decoding with the export (%s):\n%s", report_path, format_table(report))
     return report
 
 
-def open_metrics(cfg: DictConfig, start: int, enabled: bool = True) -> MetricsLogger:
-    """The metrics log of a run starting at ``start``, opened before the compile warmup
-    (and with it the W&B run), so that a logging problem ends the run in seconds."""
-    return MetricsLogger(Path(cfg.output_dir), OmegaConf.to_container(cfg.wandb),
-                         OmegaConf.to_container(cfg, resolve=True), start, enabled)
+def check_evaluation(settings: RunSettings, side: TargetSide) -> None:
+    """On the rank that evaluates the export, its held-out prompts are read at start."""
+    if settings.export_eval:
+        held_out = settings.export_eval
+        check_held_out_prompts(held_out.prompts_path, side.tokenizer, held_out.decode.template_kwargs)
 
 
 def run_colocated(job: Job) -> dict:
-    cfg, plan, device = job.cfg, job.plan, job.device
+    """One process: the target prefills each micro-batch, then the drafter trains on it."""
+    plan, device, settings = job.plan, job.device, job.settings
     side = build_target_side(job)
-    check_held_out_prompts(cfg, side.tokenizer)
-    live = live_eval_settings(cfg)
-    head = side.target.head()
-    mask_id = resolve_mask_token_id(side.tokenizer, head.vocab_size, cfg.target.mask_token_id)
-    steps = plan.total_steps(len(side.dataset))
-    trainer = build_trainer(job, head, mask_id, steps)
-    start = resume_step(cfg, trainer)
-    metrics = open_metrics(cfg, start)
-    metrics.log_data(side.dataset.summary())
+    check_evaluation(settings, side)
+    drafting = build_drafter_side(job, side.target.head(), plan.total_steps(len(side.dataset)))
+    trainer, steps = drafting.trainer, drafting.steps
+    drafting.metrics.log_data(side.dataset.summary())
 
     def warm() -> None:
         if job.compile.target:
@@ -236,7 +117,7 @@ def run_colocated(job: Job) -> dict:
         warm_drafter(plan, trainer, job.dtype)
 
     report = staggered_warmup(warm, 0, 1)
-    log_warmup(cfg, [{"rank": 0, "role": "colocated", **report}])
+    log_warmup(settings, [{"rank": 0, "role": "colocated", **report}])
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     per_step = plan.micro_per_step
@@ -244,19 +125,22 @@ def run_colocated(job: Job) -> dict:
     def feed(step: int):
         return (side.produce(m) for m in range(step * per_step, (step + 1) * per_step))
 
-    evaluator = LocalEval(Evaluator(side.target, side.tokenizer, head, trainer.drafter.config, live), steps) if live else None
+    live = settings.live
+    evaluator = LocalEval(Evaluator(side.target, side.tokenizer, drafting.head, trainer.drafter.config, live),
+                          steps) if live else None
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, evaluator=evaluator)
+    loop = StepLoop(settings, trainer, drafting.metrics, guard, evaluator=evaluator)
+    step = loop.run(feed, drafting.start, steps)
     summary = {
         "steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"],
         "peak_gib": peak_memory_gib(device),
     }
     if step == steps:
-        export_dir = export_drafter(cfg, trainer, device)
-        if evaluates_export(cfg):
-            report = evaluate_export(cfg, side, export_dir)
+        export_dir = export_drafter(settings, trainer, device)
+        if settings.export_eval:
+            report = evaluate_export(settings, side, export_dir)
             summary.update(eval_tau=report["tau"], lossless=report["lossless"])
-    metrics.close(summary)
+    drafting.metrics.close(summary)
     return summary
 
 
@@ -276,23 +160,23 @@ def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], N
     compiles = job.compile.target if topo.is_target else job.compile.drafter
     reports = proto.warmup(warm, mine, turns, share=compiles)
     if topo.rank == topo.metrics_rank:
-        log_warmup(job.cfg, reports)
+        log_warmup(job.settings, reports)
 
 
 def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     """Produce this rank's micro-batches in schedule order and send each to its drafter,
     until the data ends or the drafters say training stopped."""
-    cfg, plan, device = job.cfg, job.plan, job.device
+    plan, device, settings = job.plan, job.device, job.settings
     side = build_target_side(job)
     if topo.rank == 0:
-        check_held_out_prompts(cfg, side.tokenizer)
+        check_evaluation(settings, side)
     steps = proto.agree_steps(plan.total_steps(len(side.dataset)), side.dataset.summary())
     start = proto.agree_start(None)
     server = eval_server(job, topo, proto, side)
     warm_in_turn(job, topo, proto, lambda: warm_target_rank(job, side, server))
     guard = CompileGuard(job.compile.strict)
     guard.arm()
-    sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, cfg.topology.max_in_flight,
+    sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, settings.max_in_flight,
                           server.idle if server and server.sliced else None)
     first, last = start * plan.micro_per_step, steps * plan.micro_per_step
 
@@ -330,9 +214,9 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     summary = {"role": "target", "steps": final_step, "send_wait_s": round(sender.wait_s, 2), "bytes_sent": sender.bytes_sent}
     if server:
         summary.update(eval_s=round(server.eval_s, 2), eval_warm_s=round(server.warm_s, 2))
-    record_ranks(cfg, proto, summary, device)
-    if topo.rank == 0 and final_step == steps and evaluates_export(cfg):
-        report = evaluate_export(cfg, side, Path(cfg.output_dir) / "export")
+    record_ranks(settings, proto, summary, device)
+    if topo.rank == 0 and final_step == steps and settings.export_eval:
+        report = evaluate_export(settings, side, settings.run_dir.export)
         summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     return summary
 
@@ -348,16 +232,11 @@ def warm_target_rank(job: Job, side: TargetSide, server: EvalServer | None) -> N
 
 def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     """Receive bundles in schedule order, train, reduce over the drafter group."""
-    cfg, plan, device = job.cfg, job.plan, job.device
-    head = job.source.head(device, job.dtype)
-    mask_id = resolve_mask_token_id(job.source.tokenizer(), head.vocab_size, cfg.target.mask_token_id)
-    steps = proto.agree_steps(None)
-    trainer = build_trainer(job, head, mask_id, steps)
-    with proto.phase("reading the checkpoint to resume from", proto.timeouts.warmup_s, proto.other_drafters()):
-        resumed = resume_step(cfg, trainer, proto.drafters)
-    start = proto.agree_start(resumed)
+    plan, device, settings = job.plan, job.device, job.settings
     is_metrics = topo.rank == topo.metrics_rank
-    metrics = open_metrics(cfg, start, is_metrics)
+    head = job.source.head(device, job.dtype)
+    drafting = build_drafter_side(job, head, proto.agree_steps(None), proto, logs=is_metrics)
+    trainer, steps, metrics = drafting.trainer, drafting.steps, drafting.metrics
     if is_metrics:
         metrics.log_data(proto.data_summary())
     warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))
@@ -374,10 +253,11 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
             yield batch, prefill
 
     counters = PipelineCounters(receiver, topo.num_targets, proto.drafters, device)
-    live = live_eval_settings(cfg) if is_metrics else None
+    live = settings.live if is_metrics else None
     evaluator = RemoteEval(proto, live, head.embed_weight.dtype, steps) if live else None
     started = time.perf_counter()
-    step = run_steps(cfg, trainer, feed, start, steps, metrics, guard, proto, counters.step, evaluator)
+    loop = StepLoop(settings, trainer, metrics, guard, proto, counters.step, evaluator)
+    step = loop.run(feed, drafting.start, steps)
     if is_metrics:
         proto.announce_stop(step)
     for target in range(topo.num_targets):
@@ -393,29 +273,25 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
         "receive_wait_s": round(receiver.wait_s, 2), "bytes_received": receiver.bytes_received,
     }
     if is_metrics and step == steps:
-        export_drafter(cfg, trainer, device)
+        export_drafter(settings, trainer, device)
     proto.export_written()
-    record_ranks(cfg, proto, summary, device)
+    record_ranks(settings, proto, summary, device)
     metrics.close(summary)
     return summary
 
 
 def eval_server(job: Job, topo: Topology, proto: Protocol, side: TargetSide) -> EvalServer | None:
     """Target rank 0 serves the evaluations while training, when ``eval.every`` asks."""
-    live = live_eval_settings(job.cfg)
+    live = job.settings.live
     if live is None or topo.rank != 0:
         return None
-    head = side.target.head()
-    config = drafter_config(job, resolve_mask_token_id(side.tokenizer, head.vocab_size, job.cfg.target.mask_token_id))
-    evaluator = Evaluator(side.target, side.tokenizer, head, config, live)
+    evaluator = Evaluator(side.target, side.tokenizer, side.target.head(), drafter_config(job), live)
     return EvalServer(proto, evaluator, sliced=job.device.type == "cuda")
 
 
-def record_ranks(cfg: DictConfig, proto: Protocol, summary: dict, device: torch.device) -> None:
+def record_ranks(settings: RunSettings, proto: Protocol, summary: dict, device: torch.device) -> None:
     """``ranks.json``: every rank's end-of-run summary and peak GPU memory, side by side."""
     summary.update(rank=proto.rank, peak_gib=peak_memory_gib(device))
     summaries = proto.summaries(summary)
     if proto.rank == proto.topo.metrics_rank:
-        (Path(cfg.output_dir) / "ranks.json").write_text(json.dumps(summaries, indent=1))
-
-
+        settings.run_dir.ranks.write_text(json.dumps(summaries, indent=1))

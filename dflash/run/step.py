@@ -71,7 +71,7 @@ def compute_copy(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
     at Qwen3-8B shapes that is 30 cast kernels and 2 GiB written per micro-batch.
     Held in ``dtype`` and refreshed once per optimizer step, the weights are the same
     values (the same round-to-nearest cast), so eager, the step is equal bit for bit to
-    autocast over the masters (tests/test_step.py). Norm weights stay fp32: autocast
+    autocast over the masters (tests/run/test_step.py). Norm weights stay fp32: autocast
     computes the norms in fp32 either way. The linear weights enter the copy already
     cast, so the fp32 drafter is never held twice."""
     cast = {

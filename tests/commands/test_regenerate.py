@@ -11,8 +11,9 @@ import torch
 import torch.multiprocessing as mp
 from runs import run_colocated
 
-from dflash.data.dataset import load_dataset
-from dflash.decode.speculative import greedy_generate, stop_ids
+from dflash.data.dataset import DataSettings, load_dataset
+from dflash.data.template import reply_end_ids
+from dflash.decode.speculative import greedy_generate
 from dflash.distributed.protocol import free_port, set_rank_env
 from dflash.model.target import TargetSource
 from dflash.regenerate import (
@@ -85,10 +86,10 @@ def test_replies_are_the_targets_own_and_the_file_trains(straight, tmp_path):
         for i, turn in enumerate(turns):
             if turn["role"] == "assistant":
                 prompt = torch.tensor([local.encode(turns[:i])])
-                expected = greedy_generate(model, prompt, 40, stop_ids(tokenizer, model))
+                expected = greedy_generate(model, prompt, 40, reply_end_ids(tokenizer, model.generation_config))
                 assert tokenizer.decode(expected[:-1]) == turn["content"]
 
-    dataset = load_dataset(str(out), tokenizer, 512, 2, strict=True, cache_dir=None)
+    dataset = load_dataset(DataSettings(str(out), 512, 2, strict=True), tokenizer)
     assert len(dataset) >= 8 and not dataset.skipped
     metrics = run_colocated(tmp_path / "run", [f"data.path={out}", "train.max_steps=2"])
     assert metrics
@@ -218,7 +219,7 @@ def test_server_mode_against_a_fake_server(tmp_path):
     second_turn = next(b for b in bodies if len(b["messages"]) == 3)
     assert second_turn["messages"][1] == {"role": "assistant", "content": "1 2 count from 5 to 9"}
     tokenizer = TargetSource("demo").tokenizer()
-    assert len(load_dataset(str(out), tokenizer, 512, 1, strict=True, cache_dir=None)) >= 8
+    assert len(load_dataset(DataSettings(str(out), 512, 1, strict=True), tokenizer)) >= 8
 
 
 def test_bench_generates_exactly_the_new_tokens(tmp_path):

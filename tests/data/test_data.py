@@ -8,15 +8,9 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from dflash.data.dataset import (
-    BadRecord,
-    SampleOrder,
-    conversation_samples,
-    iter_records,
-    load_dataset,
-    mix,
-    parse_messages,
-)
+from dflash.data.dataset import DataSettings, conversation_samples, load_dataset, mix
+from dflash.data.order import SampleOrder
+from dflash.data.records import BadRecord, iter_records, parse_messages
 from dflash.model.target import resolve_path
 
 
@@ -43,7 +37,7 @@ def write(path, lines):
 
 
 def load(path, tokenizer, **kw):
-    return load_dataset(path, tokenizer, **{"max_len": 320, "min_loss_tokens": 2, "strict": False, **kw})
+    return load_dataset(DataSettings(path, **{"max_len": 320, "min_loss_tokens": 2, "strict": False, **kw}), tokenizer)
 
 
 # ---------------------------------------------------------------------------

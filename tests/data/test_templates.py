@@ -1,62 +1,19 @@
 """Loss masks under real chat templates: exactly the replies the target produced, each
 with its end-of-turn token, in the context the target produced them.
 
-The tokenizers are built here: byte-level, so decoding gives back the exact text,
-with the special tokens of ChatML (Qwen) and Llama 3 and templates that behave like
-theirs. Qwen3's drops the reasoning of replies before the last user message, which
-makes multi-turn renderings not prefix-stable.
+The tokenizers and templates are those of ``chat_templates.py``: byte-level, so
+decoding gives back the exact text, with the special tokens of ChatML (Qwen) and
+Llama 3 and templates that behave like theirs. Qwen3's drops the reasoning of replies
+before the last user message, which makes multi-turn renderings not prefix-stable.
 """
 
 import json
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from chat_templates import CHATML, LLAMA3, QWEN3, assistant, make_tokenizer, user
 
-from dflash.data.dataset import BadRecord, conversation_samples, load_dataset
-
-CHATML = r"""
-{%- for m in messages -%}
-{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
-"""
-
-QWEN3 = r"""
-{%- set ns = namespace(last_user=-1) -%}
-{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
-{%- for m in messages -%}
-{%- if m.role == 'assistant' -%}
-{%- set answer = m.content.split('</think>')[-1].lstrip('\n') -%}
-{%- set thought = m.content.split('</think>')[0].split('<think>')[-1].strip('\n') if '</think>' in m.content else '' -%}
-{%- if loop.index0 > ns.last_user and (loop.last or thought) -%}
-{{- '<|im_start|>assistant\n<think>\n' + thought + '\n</think>\n\n' + answer + '<|im_end|>\n' -}}
-{%- else -%}
-{{- '<|im_start|>assistant\n' + answer + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- else -%}
-{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}
-{%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-{{- '<|im_start|>assistant\n' -}}
-{%- if enable_thinking is defined and not enable_thinking -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
-{%- endif -%}
-"""
-
-LLAMA3 = r"""
-{{- bos_token -}}
-{%- if messages[0].role == 'system' -%}
-{%- set system = messages[0].content -%}{%- set rest = messages[1:] -%}
-{%- else -%}
-{%- set system = 'Cutting Knowledge Date: December 2023' -%}{%- set rest = messages -%}
-{%- endif -%}
-{{- '<|start_header_id|>system<|end_header_id|>\n\n' + system + '<|eot_id|>' -}}
-{%- for m in rest -%}
-{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' + m.content | trim + '<|eot_id|>' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}
-"""
+from dflash.data.dataset import DataSettings, conversation_samples, load_dataset
+from dflash.data.records import BadRecord
 
 # Rewrites every reply, the last one too: what the target generated cannot be told.
 STRIPS_ALL = r"""
@@ -77,32 +34,6 @@ ALTERNATING = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """
-
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-
-
-def make_tokenizer(template: str, bos: str | None = None, eos: str = "<|im_end|>") -> PreTrainedTokenizerFast:
-    """Byte-level BPE over whole texts with one merge (two newlines), so that a token
-    can span the boundary between a prompt and its reply."""
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    vocab["ĊĊ"] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab, [("Ċ", "Ċ")]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
-    tokenizer.add_special_tokens({"eos_token": eos, "additional_special_tokens": SPECIALS,
-                                  **({"bos_token": bos} if bos else {})})
-    tokenizer.add_tokens(["<think>", "</think>"])  # added but not special, as in Qwen3
-    tokenizer.chat_template = template
-    return tokenizer
-
-
-def user(text: str) -> dict[str, str]:
-    return {"role": "user", "content": text}
-
-
-def assistant(text: str) -> dict[str, str]:
-    return {"role": "assistant", "content": text}
 
 
 def supervised(tokenizer, ids: list[int], mask: list[int]) -> list[str]:
@@ -222,6 +153,6 @@ def test_a_multi_turn_qwen3_dataset_is_not_skipped(tmp_path):
     ]
     path = tmp_path / "qwen3.jsonl"
     path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    ds = load_dataset(str(path), make_tokenizer(QWEN3), max_len=1000, min_loss_tokens=2, strict=True)
+    ds = load_dataset(DataSettings(str(path), max_len=1000, min_loss_tokens=2, strict=True), make_tokenizer(QWEN3))
     assert not ds.skipped and not ds.problems
     assert [s.source.rsplit(":", 1)[1] for s in ds.samples] == [f"{line}#{i}" for line in range(1, 6) for i in (1, 3)]

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from transformers import AutoTokenizer
 
 import dflash.data.dataset
-from dflash.data.dataset import load_dataset
+from dflash.data.dataset import DataSettings, load_dataset
 from dflash.data.token_cache import Tokenised, tokenise_once
 from dflash.model.target import resolve_path
 
@@ -43,7 +43,7 @@ def write(path: Path, records) -> Path:
 
 def load(path, tokenizer, cache, max_len=320, **kw):
     path = str(path) if isinstance(path, Path) else [str(p) for p in path]
-    return load_dataset(path, tokenizer, max_len=max_len, min_loss_tokens=2, strict=False, cache_dir=cache, **kw)
+    return load_dataset(DataSettings(path, max_len, 2, cache_dir=cache, **kw), tokenizer)
 
 
 def test_a_second_start_loads_what_the_first_tokenised(tmp_path, tokenizer, calls):
@@ -113,7 +113,7 @@ def test_strict_fails_from_the_cache_too(tmp_path, tokenizer):
     data = write(tmp_path / "d.jsonl", [GOOD])
     load(data, tokenizer, tmp_path / "cache")
     with pytest.raises(ValueError, match=r"(?s)data.strict=true and 1 bad.*d.jsonl:2: broken JSON"):
-        load_dataset(str(data), tokenizer, 320, 2, strict=True, cache_dir=tmp_path / "cache")
+        load_dataset(DataSettings(str(data), 320, 2, strict=True, cache_dir=tmp_path / "cache"), tokenizer)
 
 
 def _slow_tokenise(marker_dir: str) -> Tokenised:

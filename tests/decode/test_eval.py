@@ -12,6 +12,7 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from dflash.decode.speculative import (
+    DecodeSettings,
     accept,
     describe_divergences,
     divergence,
@@ -115,7 +116,7 @@ def test_greedy_is_lossless_with_a_random_drafter(target):
     acceptance = []
     for seed in range(3):
         ids = prompt(seed)
-        tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW, 0.0, {VOCAB + 7})
+        tokens, lengths = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW, eos_ids={VOCAB + 7})
         assert tokens == greedy_generate(target, ids, MAX_NEW)
         assert len(tokens) == MAX_NEW and 0 <= 1 + sum(lengths) - MAX_NEW < B
         acceptance.append(lengths)
@@ -125,7 +126,7 @@ def test_greedy_is_lossless_with_a_random_drafter(target):
 def test_perfect_oracle_accepts_whole_blocks(target):
     ids = prompt(0)
     drafter, head, greedy = scripted(target, ids, corrupt=set())
-    tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW)
+    tokens, lengths = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW)
     assert tokens == greedy[:MAX_NEW]
     assert lengths == [B] * -(-(MAX_NEW - 1) // B)
 
@@ -134,7 +135,7 @@ def test_acceptance_matches_a_hand_written_loop(target):
     ids = prompt(1)
     corrupt = set(random.Random(0).sample(range(ids.shape[1], ids.shape[1] + MAX_NEW + B), 12))
     drafter, head, greedy = scripted(target, ids, corrupt)
-    tokens, lengths = speculative_generate(target, drafter, head, ids, MAX_NEW)
+    tokens, lengths = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW)
     assert tokens == greedy[:MAX_NEW]
     assert lengths == reference_acceptance(greedy, drafter.proposals.tolist(), ids.shape[1])
     assert len(set(lengths)) > 2  # the corruptions exercise several acceptance lengths
@@ -144,7 +145,7 @@ def test_stops_at_eos_and_truncates(target):
     ids = prompt(2)
     drafter, head, greedy = scripted(target, ids, corrupt=set())
     eos = greedy[6]  # mid-block: the cycle that accepts it also accepts tokens after it
-    tokens, _ = speculative_generate(target, drafter, head, ids, MAX_NEW, eos_ids={eos})
+    tokens, _ = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW, eos_ids={eos})
     assert tokens == greedy[: greedy.index(eos) + 1]
     assert tokens == greedy_generate(target, ids, MAX_NEW, {eos})
 
@@ -153,7 +154,8 @@ def test_sampling_is_seeded_and_in_vocab(target):
     drafter, head, ids = tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target), prompt(3)
 
     def run(seed):
-        return speculative_generate(target, drafter, head, ids, MAX_NEW, 1.0, (), torch.Generator().manual_seed(seed))
+        return speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW, temperature=1.0,
+                                    generator=torch.Generator().manual_seed(seed))
 
     tokens, lengths = run(0)
     assert len(tokens) == MAX_NEW and all(0 <= t < VOCAB for t in tokens)
@@ -170,7 +172,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
     trials, counts = 8000, Counter()
     for _ in range(trials):
         draft = torch.multinomial(q_logits.softmax(-1), 1, generator=g)
-        n, bonus = accept(draft, q_logits[None], torch.stack([p_logits, p_logits]), 1.0, g)
+        n, bonus = accept(draft, q_logits[None], torch.stack([p_logits, p_logits]), 1.0, generator=g)
         counts[int(draft) if n else bonus] += 1
     freq = torch.tensor([counts[i] / trials for i in range(4)])
     torch.testing.assert_close(freq, p_logits.softmax(-1), atol=0.02, rtol=0)
@@ -271,14 +273,15 @@ def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch)
     tokenizer, drafter, head = word_tokenizer(VOCAB), tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(3)]
     kept: dict[int, list[int]] = {}
-    first = eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)
+    budget = DecodeSettings(max_new_tokens=12)
+    first = eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, greedy_outputs=kept)
     assert sorted(kept) == [0, 1, 2] and first["lossless"] is True
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("the kept baseline was decoded again")
 
     monkeypatch.setattr(eval_module, "greedy_steps", no_decoding)
-    again = eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)
+    again = eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, greedy_outputs=kept)
     assert again["lossless"] is True and again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
     kept[1] = kept[1][:-1] + [(kept[1][-1] + 1) % VOCAB]  # a baseline that disagrees is reported, not re-decoded
-    assert eval_module.evaluate(target, tokenizer, drafter, head, prompts, 12, greedy_outputs=kept)["lossless"] is False
+    assert eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, greedy_outputs=kept)["lossless"] is False

@@ -9,13 +9,14 @@ import pytest
 import torch
 from helpers import tiny_drafter, tiny_target, word_tokenizer
 
-from dflash.decode.speculative import evaluate_datasets
+from dflash.decode.speculative import DecodeSettings, evaluate_datasets
 from dflash.model.drafter import TargetHead
 from dflash.model.export import save_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 96
+BUDGET = DecodeSettings(max_new_tokens=4, max_prompts=1)
 
 
 def export_with_mask_id(tmp_path, mask_id: int):
@@ -45,7 +46,7 @@ def test_eval_refuses_a_mask_id_outside_the_target_vocab(tmp_path, mask_id):
     export, prompts = export_with_mask_id(tmp_path, mask_id)
     out = tmp_path / "eval.json"
     with pytest.raises(ValueError) as err:
-        evaluate_datasets(model, NoTokenizer(), export, head, {"p": str(prompts)}, 1, 4, out)
+        evaluate_datasets(model, NoTokenizer(), export, head, datasets={"p": str(prompts)}, out_path=out, settings=BUDGET)
     message = str(err.value)
     assert "mask" in message.lower() and str(mask_id) in message, message
     assert "vocab" in message.lower() and str(VOCAB) in message, message
@@ -57,6 +58,7 @@ def test_the_last_row_of_the_vocab_is_accepted(tmp_path):
     model = tiny_target(vocab=VOCAB)
     head = TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     export, prompts = export_with_mask_id(tmp_path, VOCAB - 1)
-    report = evaluate_datasets(model, word_tokenizer(VOCAB), export, head, {"p": str(prompts)}, 1, 4, tmp_path / "eval.json")
+    report = evaluate_datasets(model, word_tokenizer(VOCAB), export, head, datasets={"p": str(prompts)},
+                               out_path=tmp_path / "eval.json", settings=BUDGET)
     assert report["results"]["p"]["prompts"] == 1
     assert torch.isfinite(torch.tensor(report["tau"]))

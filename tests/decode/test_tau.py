@@ -16,7 +16,14 @@ from helpers import tiny_drafter, tiny_target, word_tokenizer
 from torch import nn
 from torch.nn import functional as F
 
-from dflash.decode.speculative import encode_prompt, evaluate, evaluate_datasets, tau
+from dflash.data.template import reply_end_ids
+from dflash.decode.speculative import (
+    DecodeSettings,
+    encode_prompt,
+    evaluate,
+    evaluate_datasets,
+    tau,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -126,10 +133,11 @@ def test_perfect_drafter_reports_tau_equal_to_the_block_size(target):
     tokenizer = word_tokenizer(VOCAB)
     perfect = {1: True, 2: True, 5: True}
     drafter = oracle(target, tokenizer, perfect)
-    report = evaluate(target, tokenizer, drafter, OracleHead(), [conversation(i) for i in perfect], MAX_NEW)
+    report = evaluate(target, tokenizer, drafter, OracleHead(), prompts=[conversation(i) for i in perfect],
+                      settings=DecodeSettings(max_new_tokens=MAX_NEW))
     assert report["tau"] == float(B)
     assert report["lossless"] is True
-    eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    eos = reply_end_ids(tokenizer, target.generation_config)
     hist = expected_histogram(target, tokenizer, perfect, eos)
     assert report["histogram"] == hist and hist[str(B)] >= 3
 
@@ -149,7 +157,8 @@ def test_report_averages_per_response_then_over_responses_and_datasets(target, t
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     datasets = {name: str(tmp_path / f"{name}.jsonl") for name in ("perfect", "mixed")}
     out = tmp_path / "eval.json"
-    evaluate_datasets(target, tokenizer, tmp_path / "export", OracleHead(), datasets, 8, MAX_NEW, out)
+    evaluate_datasets(target, tokenizer, tmp_path / "export", OracleHead(), datasets=datasets, out_path=out,
+                      settings=DecodeSettings(max_new_tokens=MAX_NEW, max_prompts=8))
 
     report = json.loads(out.read_text())
     assert report["results"]["perfect"]["tau"] == float(B)

@@ -17,14 +17,15 @@ from dflash.decode.live import (
     LiveEvalSettings,
     RemoteEval,
     flat_weights,
-    live_eval_settings,
 )
+from dflash.decode.speculative import DecodeSettings
 from dflash.distributed.protocol import Timeouts
 from dflash.eval import main as eval_main
 from dflash.model.drafter import TargetHead
 from dflash.model.export import load_export, save_export
 from dflash.model.target import Target
 from dflash.run.metrics import MetricsLogger
+from dflash.run.settings import live_eval_settings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -144,8 +145,7 @@ def test_evaluation_slices_decode_without_cudnn_attention_and_leave_the_choice_t
         json.dumps({"messages": [{"role": "user", "content": f"w{i} w{i + 1} w{i + 2}"}]}) + "\n" for i in range(3)))
     model = tiny_target()
     drafter = tiny_drafter()
-    settings = LiveEvalSettings(5, str(tmp_path / "heldout.jsonl"), max_prompts=3, max_new_tokens=6,
-                                temperatures=(0.0,), template_kwargs={})
+    settings = LiveEvalSettings(5, str(tmp_path / "heldout.jsonl"), DecodeSettings(max_new_tokens=6, max_prompts=3))
     evaluator = Evaluator(Target(model, [1, 2, 3]), word_tokenizer(), TargetHead.of(model), drafter.config, settings)
     cudnn_during = []
     model.register_forward_pre_hook(lambda *_: cudnn_during.append(torch.backends.cuda.cudnn_sdp_enabled()))

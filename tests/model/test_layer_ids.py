@@ -48,7 +48,7 @@ def test_eval_features_for_exported_ids_equal_the_training_prefill(tmp_path):
     contexts = capture_contexts(drafter)
     prompt = torch.randint(0, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
     head = TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    tokens, lengths = speculative_generate(model, drafter, head, prompt, 14)
+    tokens, lengths = speculative_generate(model, drafter, head, prompt, max_new_tokens=14)
     assert len(contexts) == len(lengths) >= 2
 
     # training's prefill of the whole decoded sequence, with the ids from the export
@@ -98,5 +98,5 @@ def test_a_training_run_exports_the_ids_it_captured(tmp_path, prefills):
     _, input_ids, features = prefills[-1]
     length = 24
     head = TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    speculative_generate(model, drafter, head, input_ids[:1, :length], 2)
+    speculative_generate(model, drafter, head, input_ids[:1, :length], max_new_tokens=2)
     torch.testing.assert_close(contexts[0], features[:1, :length].float(), atol=1e-4, rtol=1e-4)

@@ -2,7 +2,8 @@
 
 import torch
 
-from dflash.data.dataset import Dataset, Sample, collate
+from dflash.data.dataset import Dataset, Sample
+from dflash.data.order import collate
 from dflash.objective.anchors import (
     AnchorSpec,
     make_blocks,
@@ -20,7 +21,8 @@ def batch_anchors(loss_mask, lengths, sample_index, epoch, seed, num_anchors):
     samples = [Sample([1] * int(n), loss_mask[r, : int(n)].tolist(), "t") for r, n in enumerate(lengths)]
     index = {int(i): s for i, s in zip(sample_index, samples)}
     dataset = Dataset([index.get(i, samples[0]) for i in range(max(index) + 1)])
-    mb = collate(dataset, epoch, sample_index.numpy(), [loss_mask.shape[1]], 0, AnchorSpec(num_anchors, seed))
+    mb = collate(dataset, epoch, sample_index.numpy(), [loss_mask.shape[1]], pad_id=0,
+                 spec=AnchorSpec(num_anchors, seed))
     return mb.anchors, mb.keep
 
 

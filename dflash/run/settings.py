@@ -1,0 +1,125 @@
+"""What the roles need of the config, resolved once into frozen objects.
+
+The builders read the Hydra config; the roles, the step loop and the evaluations
+get a :class:`RunSettings` and a :class:`RunDir` instead, so every path of a run
+directory and every setting has one route from the command line to its use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.decode.live import LiveEvalSettings
+from dflash.decode.speculative import DecodeSettings
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path a run writes under ``output_dir`` (the README's "Output files")."""
+
+    root: Path
+    config: Path  # config.yaml, the resolved config
+    checkpoints: Path
+    export: Path
+    eval_report: Path  # eval.json, the export's evaluation
+    warmup: Path  # warmup.json, what each rank compiled or loaded
+    ranks: Path  # ranks.json, every rank's summary
+
+    @classmethod
+    def at(cls, root: Path) -> RunDir:
+        return cls(root, root / "config.yaml", root / "checkpoints", root / "export", root / "eval.json",
+                   root / "warmup.json", root / "ranks.json")
+
+
+@dataclass(frozen=True)
+class ExportEval:
+    """The held-out evaluation of the export at the end of a completed run."""
+
+    prompts_path: str
+    decode: DecodeSettings
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The config as the roles use it."""
+
+    run_dir: RunDir
+    resume: str  # auto, never, or a checkpoint directory
+    log_every: int
+    max_nonfinite: int  # skipped steps in a row that end the run
+    checkpoint_every: int  # 0: only at the end and on SIGTERM
+    checkpoint_keep: int
+    max_in_flight: int  # bundles a target rank has sent and not seen received
+    target_name: str  # for the evaluation report
+    wandb: dict
+    config: dict  # the whole resolved config, for W&B and config.yaml
+    export_eval: ExportEval | None
+    live: LiveEvalSettings | None
+
+    def checkpoint_due(self, step: int) -> bool:
+        return bool(self.checkpoint_every) and step % self.checkpoint_every == 0
+
+
+def template_kwargs(cfg: DictConfig) -> dict:
+    """The chat template arguments training renders prompts with (absent for synthetic data)."""
+    return dict(cfg.data.get("chat_template_kwargs") or {})
+
+
+def decode_settings(cfg: DictConfig) -> DecodeSettings:
+    """The ``eval`` group's budgets, greedy, with the template arguments training renders with."""
+    return DecodeSettings(max_new_tokens=int(cfg.eval.max_new_tokens), max_prompts=int(cfg.eval.max_prompts),
+                          template_kwargs=template_kwargs(cfg))
+
+
+def eval_every(cfg: DictConfig) -> int:
+    """``eval.every`` when evaluations while training will run (``eval.enabled``), else 0."""
+    return int(cfg.eval.get("every") or 0) if cfg.eval.enabled else 0
+
+
+def check_eval_budgets(cfg: DictConfig) -> None:
+    """Refuse budgets below one at start, for the export's evaluation too."""
+    if cfg.eval.enabled:
+        for key in ("max_prompts", "max_new_tokens"):
+            if int(cfg.eval[key]) < 1:
+                raise ValueError(f"eval.{key}={cfg.eval[key]} must be at least 1 (or eval.enabled=false)")
+
+
+def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
+    """``None`` unless ``eval.every > 0``, which then needs held-out prompts."""
+    check_eval_budgets(cfg)
+    every = eval_every(cfg)
+    if every <= 0:
+        return None
+    if not cfg.data.eval_path:
+        raise ValueError(f"eval.every={every} needs held-out prompts: set data.eval_path")
+    temperature = cfg.eval.get("temperature")
+    temperatures = (0.0,) if temperature is None else (0.0, float(temperature))
+    return LiveEvalSettings(every, str(cfg.data.eval_path), replace(decode_settings(cfg), temperatures=temperatures))
+
+
+def export_eval(cfg: DictConfig) -> ExportEval | None:
+    """The end-of-run evaluation, when ``eval.enabled`` and there are held-out prompts."""
+    check_eval_budgets(cfg)
+    if not (cfg.eval.enabled and cfg.data.eval_path):
+        return None
+    return ExportEval(str(cfg.data.eval_path), decode_settings(cfg))
+
+
+def run_settings(cfg: DictConfig) -> RunSettings:
+    return RunSettings(
+        run_dir=RunDir.at(Path(cfg.output_dir)),
+        resume=str(cfg.resume),
+        log_every=int(cfg.train.log_every),
+        max_nonfinite=int(cfg.train.max_nonfinite),
+        checkpoint_every=int(cfg.checkpoint.every or 0),
+        checkpoint_keep=int(cfg.checkpoint.keep),
+        max_in_flight=int(cfg.topology.max_in_flight),
+        target_name=str(OmegaConf.select(cfg, "target.path", default="")),  # missing in a dry run of a preset
+        wandb=OmegaConf.to_container(cfg.wandb),
+        config=OmegaConf.to_container(cfg, resolve=True),
+        export_eval=export_eval(cfg),
+        live=live_eval_settings(cfg),
+    )
