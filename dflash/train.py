@@ -30,7 +30,14 @@ from dflash.distributed.protocol import Protocol
 from dflash.distributed.topology import Topology, TopologyError
 from dflash.run.build import build_job, build_topology, timeouts
 from dflash.run.config import config_dir
-from dflash.run.estimate import PlanError, check_fits, estimate, format_estimate
+from dflash.run.estimate import (
+    PlanError,
+    check_fits,
+    estimate,
+    format_estimate,
+    format_options,
+    resolve_targets,
+)
 from dflash.run.metrics import require_wandb
 from dflash.run.roles import run_colocated, run_drafter_rank, run_target_rank
 
@@ -50,12 +57,15 @@ def dry_run(cfg: DictConfig, job) -> dict:
     """Print the plan and return, touching neither weights nor the output directory."""
     world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
     try:
-        cost = estimate(job, world, cfg.topology.target_ranks if world > 1 else 0)
+        targets = resolve_targets(job, world)
+        cost = estimate(job, world, targets)
         check_fits(cost)
     except (TopologyError, PlanError) as e:
         raise SystemExit(f"dry run: the plan is refused: {e}") from None
     if int(os.environ.get("RANK", 0)) == 0:
         print(format_estimate(job, cost), flush=True)
+        if world > 1:
+            print(format_options(job, world, targets), flush=True)
     return {"dry_run": True}
 
 
@@ -66,11 +76,13 @@ def train(cfg: DictConfig) -> dict:
     if cfg.dry_run:
         return dry_run(cfg, job)
     require_wandb(cfg.wandb.mode)
-    topo = build_topology(job)
+    topo = build_topology(job, resolve_targets(job, int(os.environ.get("WORLD_SIZE", 1))))
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:
-        cost = estimate(job, 1 if topo is None else topo.world_size, topo.num_targets if topo else 0)
+        cost = estimate(job, topo.world_size if topo else 1, topo.num_targets if topo else 0)
         log.info("%s", format_estimate(job, cost))
+        if topo:
+            log.info("%s", format_options(job, topo.world_size, topo.num_targets))
         try:
             check_fits(cost)
         except PlanError as e:
@@ -81,10 +93,12 @@ def train(cfg: DictConfig) -> dict:
         run_dir.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     if topo is None:
         return run_colocated(job)
-    proto = Protocol(topo, job.device, timeouts(cfg), eval_link=job.settings.live is not None)
+    proto = Protocol(topo, job.device, timeouts(cfg), eval_link=job.settings.live is not None and not topo.colocated)
     try:
         proto.start()
-        if topo.is_target:
+        if topo.colocated:
+            summary = run_colocated(job, topo, proto)
+        elif topo.is_target:
             summary = run_target_rank(job, topo, proto)
         else:
             run_dir.root.mkdir(parents=True, exist_ok=True)

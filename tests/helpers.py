@@ -1,6 +1,7 @@
 """Tiny models, heads and tokenizers the tests build in memory (no files, no network)."""
 
 import torch
+from torch import nn
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, TargetHead
@@ -20,6 +21,29 @@ def tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 96, seed: in
         tie_word_embeddings=False,
     )
     return Qwen3ForCausalLM(cfg).eval()
+
+
+def varied_target(vocab: int = 96, std: float = 0.2, seed: int = 1) -> Qwen3ForCausalLM:
+    """A tiny random target whose greedy output varies: at init std 0.02 it repeats one
+    token, which any constant drafter would "predict" perfectly, so its matrices are
+    drawn again with the larger ``std``."""
+    model = tiny_target(vocab=vocab)
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=std)
+    return model
+
+
+def greedy_reference(model: nn.Module, prompt: list[int], total: int) -> list[int]:
+    """``prompt`` and its greedy continuation up to ``total`` tokens in all, by plain argmax
+    decoding over the whole sequence each time (no cache): the reference, independent of
+    dflash's decoding."""
+    seq = list(prompt)
+    with torch.no_grad():
+        while len(seq) < total:
+            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq
 
 
 def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_size: int = 4, seed: int = 0) -> DFlashDrafter:

@@ -64,3 +64,9 @@ def run_disaggregated(output_dir: Path, world: int, targets: int, overrides: lis
     """``world`` processes over gloo, ``targets`` of them target ranks; raises if any fails."""
     args = TINY + [f"output_dir={output_dir}", f"topology.target_ranks={targets}"] + overrides
     mp.start_processes(_worker, args=(world, free_port(), args), nprocs=world, join=True, start_method="spawn")
+
+
+def run_data_parallel(output_dir: Path, world: int, overrides: list[str]) -> None:
+    """``world`` colocated data-parallel processes over gloo (``topology.mode=colocated``)."""
+    args = TINY + [f"output_dir={output_dir}", "topology.mode=colocated"] + overrides
+    mp.start_processes(_worker, args=(world, free_port(), args), nprocs=world, join=True, start_method="spawn")

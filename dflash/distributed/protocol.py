@@ -220,7 +220,7 @@ class Protocol:
         return self._all_values("warmup reports", {"rank": self.rank, "role": self._role(), **report})
 
     def _role(self) -> str:
-        return "target" if self.topo.is_target else "drafter"
+        return "colocated" if self.topo.colocated else "target" if self.topo.is_target else "drafter"
 
     def _artifact_links(
         self, turn: int, turns: int

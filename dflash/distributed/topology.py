@@ -1,7 +1,8 @@
 """Who does what: target ranks, drafter ranks, and the deterministic micro-batch schedule.
 
 Ranks ``0..T-1`` hold the frozen target and produce batch bundles; ranks
-``T..N-1`` train the drafter. Global micro-batch ``m`` is produced by target
+``T..N-1`` train the drafter. With ``T = 0`` (colocated data-parallel) every rank
+holds both and produces the micro-batches it trains on itself. Global micro-batch ``m`` is produced by target
 ``m mod T`` and consumed by drafter ``(m // A) mod D`` (``A`` = gradient
 accumulation), so every send has exactly one matching receive known in advance.
 Both sides walk their micro-batches in increasing ``m``; a rank that waits
@@ -25,16 +26,16 @@ class Topology:
 
     world_size: int
     rank: int
-    num_targets: int  # T
+    num_targets: int  # T; 0: colocated data-parallel
     micro_batch_size: int
     batch_size: int
 
     def __post_init__(self):
         n, t = self.world_size, self.num_targets
-        if not 1 <= t < n:
+        if not (t == 0 or 1 <= t < n):
             raise TopologyError(
                 f"topology.target_ranks={t} with {n} processes: need 1 <= target_ranks < nproc "
-                "(at least one target and one drafter rank); use topology.mode=colocated for one process"
+                "(at least one target and one drafter rank), or topology.mode=colocated"
             )
         per_step = self.micro_batch_size * self.num_drafters
         if self.batch_size % per_step:
@@ -53,6 +54,11 @@ class Topology:
         return self.batch_size // (self.micro_batch_size * self.num_drafters)
 
     @property
+    def colocated(self) -> bool:
+        """Every rank prefills its own micro-batches and trains on them."""
+        return self.num_targets == 0
+
+    @property
     def is_target(self) -> bool:
         return self.rank < self.num_targets
 
@@ -62,11 +68,12 @@ class Topology:
 
     @property
     def metrics_rank(self) -> int:
-        """The first drafter rank: it sees the reduced loss (rank 0 is a target)."""
+        """The first drafter rank: it sees the reduced loss (rank 0 is a target, or
+        colocated, rank 0 itself)."""
         return self.num_targets
 
     def producer(self, m: int) -> int:
-        return m % self.num_targets
+        return self.consumer(m) if self.colocated else m % self.num_targets
 
     def consumer(self, m: int) -> int:
         """Global rank of the drafter that trains on micro-batch ``m``."""

@@ -67,17 +67,13 @@ def timeouts(cfg: DictConfig) -> Timeouts:
                     step_s=float(topology.timeout_s))
 
 
-def build_topology(job: Job) -> Topology | None:
-    """``None`` for the colocated layout (one process, or ``topology.mode=colocated``)."""
+def build_topology(job: Job, targets: int) -> Topology | None:
+    """``None`` for one process; under torchrun, colocated data-parallel ranks
+    (``targets`` 0) or a split into ``targets`` target ranks and drafter ranks."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    if world == 1 or job.cfg.topology.mode == "colocated":
-        if world > 1:
-            raise ValueError(f"topology.mode=colocated runs in one process, but WORLD_SIZE={world}")
+    if world == 1:
         return None
-    targets = job.cfg.topology.target_ranks
-    if targets == "auto":
-        targets = auto_split(job, world)
-    return job.plan.topology(world, int(os.environ["RANK"]), int(targets))
+    return job.plan.topology(world, int(os.environ["RANK"]), targets)
 
 
 def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:

@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from dflash.data.bundle import shapes
-from dflash.distributed.topology import Topology
+from dflash.distributed.topology import Topology, TopologyError
 from dflash.model.drafter import DrafterConfig
 from dflash.model.target import decoder_layers
-from dflash.run.build import Job, meta_models, split_by_flops
+from dflash.run.build import Job, auto_split, meta_models, split_by_flops
 from dflash.run.plan import Plan
 
 GIB = 2**30
+LAYOUT_MODES = ("auto", "colocated", "disaggregated")
 H200_GIB = 139.8  # usable memory of one H200 as torch reports it
 # Utilisation measured on one H200 at the Qwen3-8B shapes (BENCHMARKS.md, 2026-11-30): the
 # compiled prefill and the reduce-overhead drafter step. Rates for other shapes follow from
@@ -87,9 +88,14 @@ class Estimate:
     rates_from: str
 
     @property
+    def colocated(self) -> bool:
+        """Target and drafter in every process (one process, or colocated data-parallel)."""
+        return self.num_targets == 0
+
+    @property
     def samples_per_s(self) -> float:
-        if self.world_size == 1:
-            return 1 / (1 / self.target_rate + 1 / self.drafter_rate)
+        if self.colocated:
+            return self.world_size / (1 / self.target_rate + 1 / self.drafter_rate)
         drafters = self.world_size - self.num_targets
         return min(self.num_targets * self.target_rate, drafters * self.drafter_rate)
 
@@ -133,14 +139,16 @@ def _rates(job: Job, target_flops: float, drafter_flops_: float, cuda_plan: bool
     return target, drafter, f"the MFU measured on one H200 ({measured}) at these FLOPs"
 
 
-def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
+def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None = None) -> Estimate:
     """The cost of ``job`` on ``world_size`` ranks with ``targets`` target ranks (``auto``
-    as the trainer would choose). Raises :class:`TopologyError` for an impossible split."""
+    as the trainer would choose; 0 colocated, in one process or data-parallel). ``models``
+    are :func:`meta_models` already built. Raises :class:`TopologyError` for an impossible
+    split."""
     plan, text = job.plan, job.target_config.get_text_config()
     cuda_plan = torch.cuda.is_available() or world_size > 1
     dtype = torch.bfloat16 if cuda_plan else torch.float32
     dtype_bytes = dtype.itemsize
-    target, drafter = meta_models(job)
+    target, drafter = models or meta_models(job)
     drafter_cfg = drafter.config
     embed, lm_head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
     target_params = sum(p.numel() for p in target.parameters())
@@ -156,7 +164,7 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
     bundle = _bundle_bytes(plan, dtype)
     micro, h = plan.micro_batch_size, text.hidden_size
     tokens = micro * seq_len
-    in_flight = job.cfg.topology.max_in_flight if world_size > 1 else 0
+    in_flight = job.cfg.topology.max_in_flight if num_targets else 0
     target_gib = {
         "weights": target_params * dtype_bytes / GIB,
         # one decoder layer's working set at a time, the captured features, and the logits for the KL
@@ -191,10 +199,76 @@ def estimate(job: Job, world_size: int, targets: int | str) -> Estimate:
     )
 
 
+def fits(e: Estimate) -> bool:
+    try:
+        check_fits(e)
+    except PlanError:
+        return False
+    return True
+
+
+def layout_options(job: Job, world_size: int) -> list[Estimate]:
+    """Colocated data-parallel and every split of ``world_size`` ranks that the batch
+    allows; raises the colocated layout's :class:`TopologyError` if it allows none."""
+    models = meta_models(job)
+    options = []
+    for targets in range(world_size):
+        try:
+            options.append(estimate(job, world_size, targets, models))
+        except TopologyError:
+            continue
+    return options or [estimate(job, world_size, 0, models)]
+
+
+def choose_layout(options: list[Estimate]) -> Estimate:
+    """The layout with the most predicted samples/s among those that fit; colocated on a tie."""
+    fastest = sorted(options, key=lambda e: (e.samples_per_s, e.colocated), reverse=True)
+    fitting = [e for e in fastest if fits(e)]
+    if not fitting:
+        check_fits(fastest[0])  # raises, with what the fastest layout needs and the keys to change
+    return fitting[0]
+
+
+def rank_gib(e: Estimate) -> float:
+    """The estimated memory of the fuller rank of a layout."""
+    if e.colocated:
+        return sum(e.target_gib.values()) + sum(e.drafter_gib.values())
+    return max(sum(e.drafter_gib.values()), sum(e.target_gib.values()))
+
+
+def format_options(job: Job, world_size: int, chosen: int) -> str:
+    """Every layout of ``world_size`` ranks side by side, the fuller rank's memory and the
+    predicted rate per GPU; ``chosen`` target ranks is this run's."""
+    options = layout_options(job, world_size)
+    lines = ["  layouts (topology.mode=auto with topology.target_ranks=auto takes the fastest that fits):"]
+    for e in options:
+        name = "colocated data-parallel" if e.colocated else f"{e.num_targets} target / {e.world_size - e.num_targets} drafter"
+        verdict = "this run" if e.num_targets == chosen else "fits" if fits(e) else "does not fit"
+        lines.append(f"    {name:<26} {rank_gib(e):6.1f} GiB per rank, {e.samples_per_s / e.world_size:6.2f} samples/s "
+                     f"per GPU  {verdict}")
+    return "\n".join(lines)
+
+
+def resolve_targets(job: Job, world_size: int) -> int:
+    """Target ranks for ``world_size`` processes; 0 is colocated (one process, or
+    data-parallel). ``topology.mode=auto`` with ``target_ranks=auto`` takes the layout the
+    estimate predicts fastest among those that fit."""
+    topology = job.cfg.topology
+    if topology.mode not in LAYOUT_MODES:
+        raise TopologyError(f"topology.mode={topology.mode} is not one of {', '.join(LAYOUT_MODES)}")
+    if world_size == 1 or topology.mode == "colocated":
+        return 0
+    if topology.target_ranks != "auto":
+        return int(topology.target_ranks)
+    if topology.mode == "disaggregated":
+        return auto_split(job, world_size)
+    return choose_layout(layout_options(job, world_size)).num_targets
+
+
 def check_fits(e: Estimate) -> None:
     """Raise :class:`PlanError` if a rank's estimate exceeds its device."""
-    sides = [("drafter", e.drafter_gib)] + ([("target", e.target_gib)] if e.world_size > 1 else [])
-    if e.world_size == 1:
+    sides = [("drafter", e.drafter_gib), ("target", e.target_gib)]
+    if e.colocated:
         sides = [("colocated", {**e.target_gib, **{f"drafter {k}": v for k, v in e.drafter_gib.items()}})]
     for role, parts in sides:
         total = sum(parts.values())
@@ -214,10 +288,14 @@ def format_estimate(job: Job, e: Estimate) -> str:
     plan = job.plan
     lines = [f"plan for {job.cfg.target.name} ({job.source.path}) on {e.world_size} rank(s), "
              f"{e.device_gib:.1f} GiB per device:"]
-    if e.world_size == 1:
+    if e.colocated:
         parts = {**{f"target {k}": v for k, v in e.target_gib.items() if k != "bundles in flight"},
                  **{f"drafter {k}": v for k, v in e.drafter_gib.items()}}
-        lines.append(f"  rank 0       colocated  target and drafter in one process: {_gib(parts)}")
+        ranks = "0" if e.world_size == 1 else f"0-{e.world_size - 1}"
+        lines.append(f"  rank {ranks:<8} colocated  target and drafter in every process: {_gib(parts)}")
+        if e.world_size > 1:
+            lines.append(f"  data-parallel: {plan.micro_per_step // e.world_size} micro-batch(es) per rank per step, "
+                         "drafter gradients reduced over all ranks; rank 0 writes metrics, checkpoints and the export")
     else:
         drafters = e.world_size - e.num_targets
         span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"  # noqa: E731
@@ -231,13 +309,17 @@ def format_estimate(job: Job, e: Estimate) -> str:
             f"  bundle: {e.bundle_bytes / 1e6:.1f} MB per micro-batch of {plan.micro_batch_size}, "
             f"{e.bundle_bytes * e.micro_per_step / 1e9:.2f} GB per optimizer step",
         ]
+    train = job.cfg.train
+    how = (f"auto: the most that fit train.micro_batch_tokens={train.micro_batch_tokens} and divide the batch of "
+           f"{plan.batch_size}" if train.micro_batch_size == "auto" else "train.micro_batch_size")
+    lines.append(f"  micro-batch: {plan.micro_batch_size} sequence(s) of up to {plan.padded_len} tokens ({how})")
     lines.append(
         f"  FLOPs per sample: target prefill {e.target_flops / 1e12:.1f} T, drafter step {e.drafter_flops / 1e12:.1f} T "
         f"(max_len {plan.max_len}, {plan.num_anchors} anchors, block {plan.block_size})"
     )
     if job.settings.live:
         every = job.settings.live.every
-        where = "in process" if e.world_size == 1 else "on target rank 0"
+        where = "in process on rank 0" if e.colocated else "on target rank 0"
         lines.append(f"  eval: speculative decoding every {every} steps {where}, with a decoding copy of the "
                      f"drafter ({e.target_gib['evaluation drafter']:.1f} GiB, counted in the target's memory)")
     if e.rates_from:

@@ -58,7 +58,7 @@ class Plan:
     @property
     def padded_len(self) -> int:
         """The longest padded length a micro-batch can have: the bucket that holds ``max_len``."""
-        return next((b for b in self.buckets if b >= self.max_len), max(self.buckets))
+        return padded_length(self.buckets, self.max_len)
 
     def anchor_spec(self) -> AnchorSpec:
         return AnchorSpec(self.num_anchors, self.seed)
@@ -86,6 +86,19 @@ class Plan:
         return Topology(world_size, rank, num_targets, self.micro_batch_size, self.batch_size)
 
 
+def padded_length(buckets: tuple[int, ...], max_len: int) -> int:
+    return next((b for b in buckets if b >= max_len), max(buckets))
+
+
+def auto_micro_batch(batch_size: int, padded_len: int, tokens: int) -> int:
+    """``train.micro_batch_size=auto``: the most sequences of the longest bucket that fit
+    ``tokens`` (at least one) and divide the batch. One 768-token sequence per prefill
+    kept an 8B target at 43% MFU on the H200 and four at 77% (BENCHMARKS.md), while the
+    drafter step gains little: the prefill needs a few thousand tokens to fill the GPU."""
+    most = max(1, tokens // padded_len)
+    return next(m for m in range(min(most, batch_size), 0, -1) if batch_size % m == 0)
+
+
 def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None) -> Plan:
     """The plan of ``cfg`` for a target with this HF config and tokenizer (``None`` for a
     random target without one: ``target.mask_token_id`` is then required)."""
@@ -94,14 +107,18 @@ def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: Pr
         text.num_hidden_layers, cfg.drafter.num_context_features
     )
     block_size = cfg.drafter.block_size
+    buckets = tuple(sorted(train.buckets or [train.max_len]))
+    micro = train.micro_batch_size
+    if micro == "auto":
+        micro = auto_micro_batch(train.batch_size, padded_length(buckets, train.max_len), train.micro_batch_tokens)
     return Plan(
         seed=train.seed,
         batch_size=train.batch_size,
-        micro_batch_size=train.micro_batch_size,
+        micro_batch_size=int(micro),
         num_anchors=train.num_anchors,
         block_size=block_size,
         max_len=train.max_len,
-        buckets=tuple(sorted(train.buckets or [train.max_len])),
+        buckets=buckets,
         topk=cfg.loss.kl_topk,
         layer_ids=tuple(layer_ids),
         feature_dim=len(layer_ids) * text.hidden_size,

@@ -102,51 +102,69 @@ def check_evaluation(settings: RunSettings, side: TargetSide) -> None:
         check_held_out_prompts(held_out.prompts_path, side.tokenizer, held_out.decode.template_kwargs)
 
 
-def run_colocated(job: Job) -> dict:
-    """One process: the target prefills each micro-batch, then the drafter trains on it."""
+def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None = None) -> dict:
+    """Target and drafter in this process: each micro-batch is prefilled, then trained on.
+    Under torchrun (``topo`` and ``proto``, ``topology.mode=colocated``) every rank does so
+    on its share of each step's micro-batches, the share a drafter rank of the same count
+    would train on, and the drafter's gradients are reduced over all ranks; rank 0 logs,
+    checkpoints, exports and evaluates."""
     plan, device, settings = job.plan, job.device, job.settings
+    first = topo is None or topo.rank == 0
     side = build_target_side(job)
-    check_evaluation(settings, side)
-    drafting = build_drafter_side(job, side.target.head(), plan.total_steps(len(side.dataset)))
-    trainer, steps = drafting.trainer, drafting.steps
-    drafting.metrics.log_data(side.dataset.summary())
+    if first:
+        check_evaluation(settings, side)
+    steps = plan.total_steps(len(side.dataset))
+    if proto:
+        steps = proto.agree_steps(steps, side.dataset.summary())
+    drafting = build_drafter_side(job, side.target.head(), steps, proto, logs=first)
+    trainer = drafting.trainer
+    if first:
+        drafting.metrics.log_data(side.dataset.summary())
 
     def warm() -> None:
         if job.compile.target:
             side.warm()
         warm_drafter(plan, trainer, job.dtype)
 
-    report = staggered_warmup(warm, 0, 1)
-    log_warmup(settings, [{"rank": 0, "role": "colocated", **report}])
+    if proto:
+        reports = warm_in_turn(job, topo, proto, warm)
+    else:
+        reports = [{"rank": 0, "role": "colocated", **staggered_warmup(warm, 0, 1)}]
+        log_warmup(settings, reports)
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     per_step = plan.micro_per_step
 
     def feed(step: int):
-        return (side.produce(m) for m in range(step * per_step, (step + 1) * per_step))
+        window = range(step * per_step, (step + 1) * per_step)
+        mine = window if topo is None else topo.consumed_by(topo.rank, window.start, window.stop)
+        return (side.produce(m) for m in mine)
 
-    live = settings.live
+    live = settings.live if first else None
     evaluator = LocalEval(Evaluator(side.target, side.tokenizer, drafting.head, trainer.drafter.config, live),
                           steps) if live else None
     started = time.perf_counter()
-    loop = StepLoop(settings, trainer, drafting.metrics, guard, evaluator=evaluator)
+    loop = StepLoop(settings, trainer, drafting.metrics, guard, proto, evaluator=evaluator)
     step = loop.run(feed, drafting.start, steps)
     summary = {
-        "steps": step, "train_s": round(time.perf_counter() - started, 1), "warmup_s": report["wall_s"],
-        "peak_gib": peak_memory_gib(device),
+        "role": "colocated", "steps": step, "train_s": round(time.perf_counter() - started, 1),
+        "warmup_s": reports[0 if topo is None else topo.rank]["wall_s"], "peak_gib": peak_memory_gib(device),
     }
-    if step == steps:
-        export_dir = export_drafter(settings, trainer, device)
-        if settings.export_eval:
-            report = evaluate_export(settings, side, export_dir)
-            summary.update(eval_tau=report["tau"], lossless=report["lossless"])
+    export_dir = export_drafter(settings, trainer, device) if first and step == steps else None
+    if proto:
+        proto.export_written()
+        record_ranks(settings, proto, summary, device)
+    if export_dir and settings.export_eval:
+        report = evaluate_export(settings, side, export_dir)
+        summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     drafting.metrics.close(summary)
     return summary
 
 
-def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], None]) -> None:
+def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], None]) -> list[dict]:
     """This rank's turn in the staggered warmup, handing compiled artifacts on within a
-    role that compiles; the metrics rank records what each rank compiled, loaded or received."""
+    role that compiles; the metrics rank records what each rank compiled, loaded or
+    received. Returns every rank's report, in rank order."""
     turns = job.compile.warmup_turns
 
     def turn(rank: int) -> int:
@@ -161,6 +179,7 @@ def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], N
     reports = proto.warmup(warm, mine, turns, share=compiles)
     if topo.rank == topo.metrics_rank:
         log_warmup(job.settings, reports)
+    return reports
 
 
 def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:

@@ -118,7 +118,7 @@ def run_settings(cfg: DictConfig) -> RunSettings:
         checkpoint_keep=int(cfg.checkpoint.keep),
         max_in_flight=int(cfg.topology.max_in_flight),
         target_name=str(OmegaConf.select(cfg, "target.path", default="")),  # missing in a dry run of a preset
-        wandb=OmegaConf.to_container(cfg.wandb),
+        wandb=OmegaConf.to_container(cfg.wandb, resolve=True),
         config=OmegaConf.to_container(cfg, resolve=True),
         export_eval=export_eval(cfg),
         live=live_eval_settings(cfg),

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import tiny_drafter, tiny_target, word_tokenizer
+from helpers import tiny_drafter, varied_target, word_tokenizer
 from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache
@@ -36,18 +36,7 @@ MAX_NEW = 30
 
 @pytest.fixture(scope="module")
 def target() -> nn.Module:
-    """A random target whose greedy output varies; at init std 0.02 it repeats one token,
-    which any constant drafter would "predict" perfectly."""
-    model = tiny_target(vocab=VOCAB)
-    torch.manual_seed(1)
-    for p in model.parameters():
-        if p.dim() > 1:
-            nn.init.normal_(p, std=0.2)
-    return model
-
-
-def head_of(model: nn.Module) -> TargetHead:
-    return TargetHead.of(model)
+    return varied_target(vocab=VOCAB)
 
 
 def prompt(seed: int, length: int = 9) -> torch.Tensor:
@@ -112,7 +101,7 @@ def reference_acceptance(greedy: list[int], proposals: list[int], prompt_len: in
 
 
 def test_greedy_is_lossless_with_a_random_drafter(target):
-    drafter, head = tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target)
+    drafter, head = tiny_drafter(vocab=VOCAB, block_size=B).eval(), TargetHead.of(target)
     acceptance = []
     for seed in range(3):
         ids = prompt(seed)
@@ -151,7 +140,7 @@ def test_stops_at_eos_and_truncates(target):
 
 
 def test_sampling_is_seeded_and_in_vocab(target):
-    drafter, head, ids = tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target), prompt(3)
+    drafter, head, ids = tiny_drafter(vocab=VOCAB, block_size=B).eval(), TargetHead.of(target), prompt(3)
 
     def run(seed):
         return speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW, temperature=1.0,
@@ -270,7 +259,7 @@ def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch)
     evaluation reuses them and reports the same lossless check."""
     import dflash.decode.speculative as eval_module
 
-    tokenizer, drafter, head = word_tokenizer(VOCAB), tiny_drafter(vocab=VOCAB, block_size=B).eval(), head_of(target)
+    tokenizer, drafter, head = word_tokenizer(VOCAB), tiny_drafter(vocab=VOCAB, block_size=B).eval(), TargetHead.of(target)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(3)]
     kept: dict[int, list[int]] = {}
     budget = DecodeSettings(max_new_tokens=12)

@@ -42,7 +42,7 @@ class NoTokenizer:
 @pytest.mark.parametrize("mask_id", [VOCAB, VOCAB + 1000, -1])
 def test_eval_refuses_a_mask_id_outside_the_target_vocab(tmp_path, mask_id):
     model = tiny_target(vocab=VOCAB)
-    head = TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    head = TargetHead.of(model)
     export, prompts = export_with_mask_id(tmp_path, mask_id)
     out = tmp_path / "eval.json"
     with pytest.raises(ValueError) as err:
@@ -56,7 +56,7 @@ def test_eval_refuses_a_mask_id_outside_the_target_vocab(tmp_path, mask_id):
 def test_the_last_row_of_the_vocab_is_accepted(tmp_path):
     """Guard: the boundary id VOCAB - 1 is a real row and decodes (so the refusal above is about the range)."""
     model = tiny_target(vocab=VOCAB)
-    head = TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    head = TargetHead.of(model)
     export, prompts = export_with_mask_id(tmp_path, VOCAB - 1)
     report = evaluate_datasets(model, word_tokenizer(VOCAB), export, head, datasets={"p": str(prompts)},
                                out_path=tmp_path / "eval.json", settings=BUDGET)

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_drafter, tiny_target, word_tokenizer
+from helpers import greedy_reference, tiny_drafter, varied_target, word_tokenizer
 from torch import nn
 from torch.nn import functional as F
 
@@ -48,20 +48,7 @@ def test_tau_is_the_mean_over_responses_of_the_mean_per_cycle():
 
 @pytest.fixture(scope="module")
 def target() -> nn.Module:
-    model = tiny_target(vocab=VOCAB)
-    torch.manual_seed(1)
-    for p in model.parameters():
-        if p.dim() > 1:
-            nn.init.normal_(p, std=0.2)  # a greedy output that varies
-    return model
-
-
-def greedy_reference(model: nn.Module, prompt: list[int], total: int) -> list[int]:
-    seq = list(prompt)
-    with torch.no_grad():
-        while len(seq) < total:
-            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq
+    return varied_target(vocab=VOCAB)
 
 
 class OracleDrafter(nn.Module):

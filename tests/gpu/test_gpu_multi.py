@@ -151,6 +151,21 @@ def test_split_trains_like_colocated(colocated, tmp_path, targets, drafters):
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=gpus(2), id="x2"), pytest.param(4, marks=gpus(4), id="x4")])
+def test_colocated_data_parallel_trains_like_one_process(tmp_path, ranks):
+    """topology.mode=colocated over NCCL: every rank prefills and trains its share, the
+    gradients are reduced over all, compiled with no recompile after warmup."""
+    train(ranks, tmp_path, ["topology.mode=colocated", "train.batch_size=8", "train.max_steps=6"])
+    reference = tmp_path.parent / f"{tmp_path.name}_one"
+    train(1, reference, ["train.batch_size=8", "train.max_steps=6"])
+    losses, expected = ([m["loss"] for m in read_metrics(d)] for d in (tmp_path, reference))
+    assert losses == pytest.approx(expected, rel=2e-2)
+    summaries = json.loads((tmp_path / "ranks.json").read_text())
+    assert [(r["role"], r["steps"]) for r in summaries] == [("colocated", 6)] * ranks
+    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+
+
 @gpus(2)
 def test_evaluation_while_training_on_target_rank_0(tmp_path):
     """eval.every on NCCL: the weights go over their own link, target rank 0 decodes in its

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_drafter, tiny_target
+from helpers import tiny_drafter, varied_target
 from torch import nn
 
 import dflash
@@ -34,11 +34,7 @@ def capture_contexts(drafter: nn.Module) -> list[torch.Tensor]:
 
 
 def test_eval_features_for_exported_ids_equal_the_training_prefill(tmp_path):
-    model = tiny_target(vocab=VOCAB)
-    torch.manual_seed(1)
-    for p in model.parameters():
-        if p.dim() > 1:
-            nn.init.normal_(p, std=0.2)
+    model = varied_target(vocab=VOCAB)
     out = save_export(tiny_drafter(vocab=VOCAB, layer_ids=IDS), tmp_path / "export", dtype="float32")
     config = json.loads((out / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == IDS
@@ -47,7 +43,7 @@ def test_eval_features_for_exported_ids_equal_the_training_prefill(tmp_path):
     assert list(drafter.config.target_layer_ids) == IDS
     contexts = capture_contexts(drafter)
     prompt = torch.randint(0, VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0))
-    head = TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    head = TargetHead.of(model)
     tokens, lengths = speculative_generate(model, drafter, head, prompt, max_new_tokens=14)
     assert len(contexts) == len(lengths) >= 2
 
@@ -97,6 +93,6 @@ def test_a_training_run_exports_the_ids_it_captured(tmp_path, prefills):
     contexts = capture_contexts(drafter)
     _, input_ids, features = prefills[-1]
     length = 24
-    head = TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    head = TargetHead.of(model)
     speculative_generate(model, drafter, head, input_ids[:1, :length], max_new_tokens=2)
     torch.testing.assert_close(contexts[0], features[:1, :length].float(), atol=1e-4, rtol=1e-4)

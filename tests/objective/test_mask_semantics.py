@@ -64,54 +64,63 @@ def infer_forward(drafter, head, features_row, blk_row, anchor):
         )[0]
 
 
-def test_each_block_equals_inference_on_its_truncated_context(setup):
-    drafter, head, ids, features = setup
-    blk = block_ids(ids, ANCHORS)
-    trained = train_forward(drafter, head, features, blk)
-    assert trained.dtype == torch.float64
+@pytest.fixture(scope="module")
+def blocks(setup):
+    """The hand-built block ids of ``setup`` (tests change copies of them)."""
+    _, _, ids, _ = setup
+    return block_ids(ids, ANCHORS)
+
+
+@pytest.fixture(scope="module")
+def base(setup, blocks):
+    """The training forward of ``setup``: what every change is compared with."""
+    drafter, head, _, features = setup
+    return train_forward(drafter, head, features, blocks)
+
+
+def with_context_changed(setup, blocks, r: int, where) -> torch.Tensor:
+    """The training forward after row ``r``'s context features at ``where`` (an index or a
+    slice of positions) are moved by large noise."""
+    drafter, head, _, features = setup
+    changed = features.clone()
+    changed[r, where] += torch.randn_like(changed[r, where]) * 3
+    return train_forward(drafter, head, changed, blocks)
+
+
+def test_each_block_equals_inference_on_its_truncated_context(setup, blocks, base):
+    drafter, head, _, features = setup
+    assert base.dtype == torch.float64
     for r in range(2):
         for j in range(ANCHORS.shape[1]):
             a = int(ANCHORS[r, j])
-            ref = infer_forward(drafter, head, features[r], blk[r, j * B : (j + 1) * B], a)
-            torch.testing.assert_close(trained[r, j], ref, **TOL, msg=f"row {r} block {j} (anchor {a})")
+            ref = infer_forward(drafter, head, features[r], blocks[r, j * B : (j + 1) * B], a)
+            torch.testing.assert_close(base[r, j], ref, **TOL, msg=f"row {r} block {j} (anchor {a})")
 
 
-def test_context_at_or_after_the_anchor_is_invisible(setup):
-    drafter, head, ids, features = setup
-    blk = block_ids(ids, ANCHORS)
-    base = train_forward(drafter, head, features, blk)
+def test_context_at_or_after_the_anchor_is_invisible(setup, blocks, base):
     r, j = 1, 1
     a = int(ANCHORS[r, j])
-    changed = features.clone()
-    changed[r, a:] += torch.randn_like(changed[r, a:]) * 3
-    after = train_forward(drafter, head, changed, blk)
+    after = with_context_changed(setup, blocks, r, slice(a, None))
     torch.testing.assert_close(after[r, j], base[r, j], **TOL)
     torch.testing.assert_close(after[r, : j + 1], base[r, : j + 1], **TOL)  # earlier anchors too
     assert (after[r, j + 1 :] - base[r, j + 1 :]).abs().max() > 1e-3  # later anchors do see it
     torch.testing.assert_close(after[1 - r], base[1 - r], **TOL)  # nor the other sequence
 
 
-def test_context_just_before_the_anchor_is_visible(setup):
-    drafter, head, ids, features = setup
-    blk = block_ids(ids, ANCHORS)
-    base = train_forward(drafter, head, features, blk)
+def test_context_just_before_the_anchor_is_visible(setup, blocks, base):
     r, j = 1, 1
     a = int(ANCHORS[r, j])
     for pos in (a - 1, 0):
-        changed = features.clone()
-        changed[r, pos] += torch.randn_like(changed[r, pos]) * 3
-        after = train_forward(drafter, head, changed, blk)
+        after = with_context_changed(setup, blocks, r, pos)
         assert (after[r, j] - base[r, j]).abs().max() > 1e-4, f"feature at {pos} < anchor {a} did not reach block {j}"
         # every slot of the block sees it, not only the anchor slot
         assert ((after[r, j] - base[r, j]).abs().amax(-1) > 1e-6).all()
 
 
-def test_other_blocks_are_invisible(setup):
-    drafter, head, ids, features = setup
-    blk = block_ids(ids, ANCHORS)
-    base = train_forward(drafter, head, features, blk)
+def test_other_blocks_are_invisible(setup, blocks, base):
+    drafter, head, _, features = setup
     r, j = 1, 2
-    changed = blk.clone()
+    changed = blocks.clone()
     for other in range(ANCHORS.shape[1]):
         if other != j:
             changed[r, other * B] = (changed[r, other * B] + 17) % MASK  # another anchor token
@@ -121,20 +130,16 @@ def test_other_blocks_are_invisible(setup):
     assert (after[r, j - 1] - base[r, j - 1]).abs().max() > 1e-4  # the changed blocks did change
 
 
-def test_own_block_is_bidirectional(setup):
+def test_own_block_is_bidirectional(setup, blocks, base):
     """The anchor slot sees the later slots of its block (no causal mask inside a block)."""
-    drafter, head, ids, features = setup
-    blk = block_ids(ids, ANCHORS)
-    base = train_forward(drafter, head, features, blk)
-    changed = blk.clone()
+    drafter, head, _, features = setup
+    changed = blocks.clone()
     changed[0, 1 * B + 3] = 5  # last slot of block 1, row 0
     after = train_forward(drafter, head, features, changed)
     assert (after[0, 1, 0] - base[0, 1, 0]).abs().max() > 1e-4
 
 
-def test_unfilled_slot_sees_only_itself(setup):
-    drafter, head, ids, features = setup
-    blk = block_ids(ids, ANCHORS)
-    trained = train_forward(drafter, head, features, blk)
-    ref = infer_forward(drafter, head, features[0], blk[0, 3 * B :], 0)  # empty context
-    torch.testing.assert_close(trained[0, 3], ref, **TOL)
+def test_unfilled_slot_sees_only_itself(setup, blocks, base):
+    drafter, head, _, features = setup
+    ref = infer_forward(drafter, head, features[0], blocks[0, 3 * B :], 0)  # empty context
+    torch.testing.assert_close(base[0, 3], ref, **TOL)

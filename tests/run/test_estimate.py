@@ -42,8 +42,10 @@ def test_a_plan_that_cannot_run_is_refused_with_the_key_to_change(tmp_path):
     assert small.returncode != 0
     assert "refused" in small.stderr and "drafter rank needs an estimated" in small.stderr
     assert "train.micro_batch_size" in small.stderr
-    uneven = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=32"])
+    uneven = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=32", "topology.target_ranks=3"])
     assert uneven.returncode != 0 and "train.batch_size=32 must be a multiple" in uneven.stderr
+    indivisible = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=7", "train.micro_batch_size=2"])
+    assert indivisible.returncode != 0 and "train.batch_size=7 must be a multiple" in indivisible.stderr
 
 
 def test_bundle_bytes_are_those_of_a_real_bundle():

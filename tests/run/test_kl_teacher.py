@@ -13,11 +13,11 @@ import copy
 
 import pytest
 import torch
-from helpers import flat_grads, tiny_drafter, tiny_head, tiny_target
-from torch import nn
+from helpers import flat_grads, greedy_reference, tiny_drafter, tiny_head, varied_target
 
 import dflash.run.step as step_module
 from dflash.data.bundle import MicroBatch
+from dflash.model.drafter import TargetHead
 from dflash.model.target import PrefillOutput, Target
 from dflash.run.step import DrafterTrainer, ObjectiveConfig
 
@@ -93,31 +93,12 @@ def test_teacher_of_slot_k_is_the_target_at_a_plus_k_minus_1(captured):
     assert checked == 4 * 3 + 4 * 3 + 1
 
 
-def head_of(model):
-    from dflash.model.drafter import TargetHead
-
-    return TargetHead(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-
-
-def greedy_continuation(model: nn.Module, prompt: list[int], total: int) -> list[int]:
-    """Plain argmax decoding without a cache: the reference continuation."""
-    seq = list(prompt)
-    with torch.no_grad():
-        while len(seq) < total:
-            seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq
-
-
 def test_real_targets_teacher_top1_equals_the_label_on_its_own_greedy_text(captured):
     """Data = the target's own greedy continuation, so the target's top-1 at p is token
     p+1: a correctly aligned teacher agrees with the label on every slot with loss."""
-    model = tiny_target(vocab=VOCAB)
-    torch.manual_seed(1)
-    for p in model.parameters():
-        if p.dim() > 1:
-            nn.init.normal_(p, std=0.2)  # at init std 0.02 the greedy text is one repeated token
+    model = varied_target(vocab=VOCAB)
     prompt_len = 4
-    rows = [greedy_continuation(model, [7 + r, 30 + r, 50, 3 * r + 1], S) for r in range(2)]
+    rows = [greedy_reference(model, [7 + r, 30 + r, 50, 3 * r + 1], S) for r in range(2)]
     ids = torch.tensor(rows)
     assert len(set(ids[:, prompt_len:].flatten().tolist())) > 4, "the continuation must vary"
     loss_mask = torch.zeros(2, S, dtype=torch.long)
@@ -125,7 +106,7 @@ def test_real_targets_teacher_top1_equals_the_label_on_its_own_greedy_text(captu
     anchors = torch.tensor([[4, 7, 12, 19], [5, 9, 14, 20]])
     batch = MicroBatch(ids, loss_mask, torch.tensor([S, S]), anchors, torch.ones_like(anchors, dtype=torch.bool), 0)
     prefill = Target(model, [1, 2, 3]).prefill(ids, topk=TOPK)
-    head = head_of(model)
+    head = TargetHead.of(model)
     t = trainer(tiny_drafter(block_size=B), ce=0.0, kl=1.0, head=head)
     t.micro_step(batch, prefill)
 
