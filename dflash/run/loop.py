@@ -19,7 +19,7 @@ from dflash.data.bundle import MicroBatch
 from dflash.decode.live import LocalEval, RemoteEval
 from dflash.distributed.protocol import Protocol
 from dflash.model.target import PrefillOutput
-from dflash.run.checkpoint import save_checkpoint
+from dflash.run.checkpoint import CheckpointWriter
 from dflash.run.metrics import MetricsLogger
 from dflash.run.settings import RunSettings
 from dflash.run.step import DrafterTrainer
@@ -76,7 +76,10 @@ class StepLoop:
         return proto.phase(what, proto.timeouts.step_s, proto.other_drafters()) if proto else nullcontext()
 
     def run(self, feed: Feed, start: int, steps: int) -> int:
-        """Returns the last completed step (``steps``, or earlier on SIGTERM)."""
+        """Returns the last completed step (``steps``, or earlier on SIGTERM), with its
+        checkpoint on disk."""
+        group = self.proto.drafters if self.proto else None
+        writer = CheckpointWriter(self.settings.run_dir.checkpoints, self.settings.checkpoint_keep, group)
         stop = StopRequested()
         self.metrics.begin()
         step = start
@@ -84,15 +87,19 @@ class StepLoop:
             while step < steps:
                 for batch, prefill in feed(step):
                     self.trainer.micro_step(batch, prefill)
-                step, stopping = self.finish_step(step, steps, stop)
+                step, stopping = self.finish_step(step, steps, stop, writer)
+                writer.prepare(self.trainer.drafter, self.trainer.optimizer, self.trainer.scheduler)
                 if stopping:
                     log.warning("stopped at step %d; run again with resume=auto to continue", step)
                     break
+            with self.bounded(f"writing the checkpoint of step {step}"):
+                writer.close()
         finally:
+            writer.abandon()
             stop.restore()
         return step
 
-    def finish_step(self, step: int, steps: int, stop: StopRequested) -> tuple[int, bool]:
+    def finish_step(self, step: int, steps: int, stop: StopRequested, writer: CheckpointWriter) -> tuple[int, bool]:
         """Reduce, step the optimizer, log, evaluate and checkpoint after step ``step``'s
         micro-batches; returns the new step and whether training stops there."""
         trainer, settings = self.trainer, self.settings
@@ -117,7 +124,5 @@ class StepLoop:
         for record in self.evaluator.after_step(step, trainer.drafter, lambda: stop.requested) if self.evaluator else ():
             self.metrics.log_eval(record)
         if settings.checkpoint_due(step) or step == steps or stopping:
-            with self.bounded(f"saving the checkpoint of step {step}"):
-                save_checkpoint(settings.run_dir.checkpoints, step, trainer.drafter, trainer.optimizer,
-                                trainer.scheduler, settings.checkpoint_keep, group)
+            writer.save(step, trainer.drafter, trainer.optimizer, trainer.scheduler)
         return step, stopping

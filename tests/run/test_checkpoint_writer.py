@@ -1,0 +1,57 @@
+"""The background checkpoint writer: a step waits only for the copy to host memory, the
+checkpoint holds the state of its step whatever trains after it, and a failed write is
+raised, not lost."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dflash.run.checkpoint import CheckpointWriter, checkpoints, load_checkpoint
+
+
+def trainee(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(seed)
+    model = nn.Linear(8, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+
+
+def train_step(model, optimizer, scheduler) -> None:
+    model(torch.randn(4, 8)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+def test_a_checkpoint_holds_its_step_while_training_runs_past_it(tmp_path: Path):
+    model, optimizer, scheduler = trainee()
+    writer = CheckpointWriter(tmp_path, keep=2)
+    train_step(model, optimizer, scheduler)
+    writer.prepare(model, optimizer, scheduler)  # host buffers allocated in the background, as after a first step
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    writer.save(1, model, optimizer, scheduler)
+    for _ in range(3):  # in place, while the write may still be running
+        train_step(model, optimizer, scheduler)
+    writer.save(4, model, optimizer, scheduler)
+    writer.close()
+    writer.abandon()
+    assert [p.name for p in checkpoints(tmp_path)] == ["step_00000001", "step_00000004"]
+    restored, r_optimizer, r_scheduler = trainee(seed=1)
+    assert load_checkpoint(tmp_path / "step_00000001", restored, r_optimizer, r_scheduler) == 1
+    for k, v in restored.state_dict().items():
+        torch.testing.assert_close(v, at_save[k], rtol=0, atol=0)
+    assert r_scheduler.last_epoch == 1 and r_optimizer.state_dict()["state"][0]["step"] == 1
+    assert not list(tmp_path.glob(".tmp_*"))
+
+
+def test_a_failed_write_is_raised_at_the_next_save(tmp_path: Path):
+    model, optimizer, scheduler = trainee()
+    blocked = tmp_path / "not_a_directory"
+    blocked.write_text("")
+    writer = CheckpointWriter(blocked, keep=2)
+    writer.save(1, model, optimizer, scheduler)
+    with pytest.raises(OSError, match="writing the checkpoint .*step_00000001 failed"):
+        writer.save(2, model, optimizer, scheduler)
+    writer.abandon()
