@@ -40,6 +40,7 @@ from dflash.run.estimate import (
 )
 from dflash.run.metrics import require_wandb
 from dflash.run.roles import run_colocated, run_drafter_rank, run_target_rank
+from dflash.run.startup import phases as startup
 
 log = logging.getLogger("dflash.train")
 
@@ -72,7 +73,9 @@ def dry_run(cfg: DictConfig, job) -> dict:
 def train(cfg: DictConfig) -> dict:
     """Run this process's role to the end; returns its summary."""
     assert_main_thread()
+    startup.mark("imports and the config")
     job = build_job(cfg)
+    startup.mark("the plan")
     if cfg.dry_run:
         return dry_run(cfg, job)
     require_wandb(cfg.wandb.mode)
@@ -87,6 +90,7 @@ def train(cfg: DictConfig) -> dict:
             check_fits(cost)
         except PlanError as e:
             log.warning("%s (an estimate: the run goes on)", e)
+    startup.mark("the layout and the estimate")
     run_dir = job.settings.run_dir
     if topo is None or topo.rank == 0:
         run_dir.root.mkdir(parents=True, exist_ok=True)
@@ -96,6 +100,7 @@ def train(cfg: DictConfig) -> dict:
     proto = Protocol(topo, job.device, timeouts(cfg), eval_link=job.settings.live is not None and not topo.colocated)
     try:
         proto.start()
+        startup.mark("process groups")
         if topo.colocated:
             summary = run_colocated(job, topo, proto)
         elif topo.is_target:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig, ListConfig, OmegaConf
 from transformers import PreTrainedTokenizerBase
 
 from dflash.data.records import (
@@ -41,8 +40,13 @@ SHOWN_PROBLEMS = 10  # in the warning of a lenient run; strict lists them all
 
 
 def _plain(value: object) -> object:
-    """A Hydra node as plain Python (lists, dicts), so it hashes into the cache key."""
-    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+    """A config node (Hydra's mappings and sequences) as plain dicts and lists, so that
+    it hashes into the cache key; plain Python is returned as it is."""
+    if isinstance(value, Mapping) and not isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from dflash.model.target import PrefillOutput
 from dflash.run.checkpoint import CheckpointWriter
 from dflash.run.metrics import MetricsLogger
 from dflash.run.settings import RunSettings
+from dflash.run.startup import phases as startup
 from dflash.run.step import DrafterTrainer
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,9 @@ class StepLoop:
                 for batch, prefill in feed(step):
                     self.trainer.micro_step(batch, prefill)
                 step, stopping = self.finish_step(step, steps, stop, writer)
+                if step == start + 1 and self.metrics.enabled:
+                    startup.mark("the first step")
+                    log.info("%s", startup.report())
                 writer.prepare(self.trainer.drafter, self.trainer.optimizer, self.trainer.scheduler)
                 if stopping:
                     log.warning("stopped at step %d; run again with resume=auto to continue", step)

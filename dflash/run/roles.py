@@ -54,6 +54,7 @@ from dflash.run.build import (
 )
 from dflash.run.loop import StepLoop
 from dflash.run.settings import RunSettings
+from dflash.run.startup import phases as startup
 from dflash.run.step import DrafterTrainer
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,14 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
     plan, device, settings = job.plan, job.device, job.settings
     first = topo is None or topo.rank == 0
     side = build_target_side(job)
+    startup.mark("the target and the data")
     if first:
         check_evaluation(settings, side)
     steps = plan.total_steps(len(side.dataset))
     if proto:
         steps = proto.agree_steps(steps, side.dataset.summary())
     drafting = build_drafter_side(job, side.target.head(), steps, proto, logs=first)
+    startup.mark("the drafter and its checkpoint")
     trainer = drafting.trainer
     if first:
         drafting.metrics.log_data(side.dataset.summary())
@@ -131,6 +134,7 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
     else:
         reports = [{"rank": 0, "role": "colocated", **staggered_warmup(warm, 0, 1)}]
         log_warmup(settings, reports)
+    startup.mark("the compile warmup")
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     per_step = plan.micro_per_step
@@ -187,12 +191,14 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     until the data ends or the drafters say training stopped."""
     plan, device, settings = job.plan, job.device, job.settings
     side = build_target_side(job)
+    startup.mark("the target and the data")
     if topo.rank == 0:
         check_evaluation(settings, side)
     steps = proto.agree_steps(plan.total_steps(len(side.dataset)), side.dataset.summary())
     start = proto.agree_start(None)
     server = eval_server(job, topo, proto, side)
     warm_in_turn(job, topo, proto, lambda: warm_target_rank(job, side, server))
+    startup.mark("the compile warmup")
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, settings.max_in_flight,
@@ -255,10 +261,12 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     is_metrics = topo.rank == topo.metrics_rank
     head = job.source.head(device, job.dtype)
     drafting = build_drafter_side(job, head, proto.agree_steps(None), proto, logs=is_metrics)
+    startup.mark("the head, the drafter and its checkpoint")
     trainer, steps, metrics = drafting.trainer, drafting.steps, drafting.metrics
     if is_metrics:
         metrics.log_data(proto.data_summary())
     warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))
+    startup.mark("the compile warmup")
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     receiver = BundleReceiver(proto.pairs_of_drafter(), device, plan.expected(job.dtype))
