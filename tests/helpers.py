@@ -46,7 +46,10 @@ def greedy_reference(model: nn.Module, prompt: list[int], total: int) -> list[in
     return seq
 
 
-def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_size: int = 4, seed: int = 0) -> DFlashDrafter:
+def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_size: int = 4, seed: int = 0,
+                 layer_types=None, sliding_window=None) -> DFlashDrafter:
+    """Two layers; ``layer_types`` and ``sliding_window`` as in ``DrafterConfig`` (the
+    weights do not depend on them: one seed gives the same weights either way)."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(
         hidden_size=hidden,
@@ -60,6 +63,8 @@ def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_s
         target_layer_ids=list(layer_ids),
         mask_token_id=vocab - 1,
         block_size=block_size,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
     )
     return DFlashDrafter(cfg)
 

@@ -92,6 +92,13 @@ def context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[in
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def window(features: torch.Tensor, first: int, keep: int | None) -> tuple[torch.Tensor, int]:
+    """Context features ``[1, S, n*H]`` starting at position ``first``, cut to their last
+    ``keep`` positions (``None``: all), and the position they then start at."""
+    drop = 0 if keep is None else max(0, features.shape[1] - keep)
+    return features[:, drop:], first + drop
+
+
 def with_cache(model: nn.Module, cache: DynamicCache, **kwargs):
     """Forward with a KV cache under the keyword this transformers version expects
     (``cache`` in 5.x, where ``past_key_values`` is deprecated; only the latter in 4.57)."""
@@ -191,28 +198,31 @@ def speculative_steps(
     returns (new tokens, acceptance length per cycle). The pauses let a target rank
     run an evaluation in the gaps between its training work (:mod:`dflash.decode.live`).
 
-    Invariant between cycles: the target cache and the context features both
-    cover positions ``0..p-1``; the newest token sits at ``p`` and is in neither.
-    The drafter is rerun over the whole context each cycle (no drafter cache),
-    which is slower but leaves no cache bookkeeping to get wrong.
+    Invariant between cycles: the target cache covers positions ``0..p-1`` and the
+    context features ``first..p-1``; the newest token sits at ``p`` and is in neither.
+    ``first`` is 0 unless every drafter layer slides: then the features keep only the
+    positions a window reaches (``DrafterConfig.context_window``), and the drafter's
+    sliding layers mask the rest of theirs. The drafter is rerun over its whole context
+    each cycle (no drafter cache), which is slower but leaves no cache bookkeeping to
+    get wrong.
     """
     cfg = drafter.config
     block_size = block_size or cfg.block_size
     device = prompt_ids.device
     cache = DynamicCache(config=target_model.config)
     out = with_cache(target_model, cache, input_ids=prompt_ids, output_hidden_states=True, logits_to_keep=1)
-    features = context_features(out.hidden_states, cfg.target_layer_ids)
+    features, first = window(context_features(out.hidden_states, cfg.target_layer_ids), 0, cfg.context_window)
     new = sample(out.logits[0, -1:], temperature, generator).tolist()
     tokens, lengths = list(new), []
     yield "prompt prefill"  # a slice of its own
     while len(tokens) < max_new_tokens and not any(t in eos_ids for t in new):
-        p = features.shape[1]
+        p = first + features.shape[1]
         block = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = tokens[-1]
         hidden = drafter(
             features,
             head.embed(block),
-            torch.arange(p, device=device)[None],
+            torch.arange(first, p, device=device)[None],
             torch.arange(p, p + block_size, device=device)[None],
         )
         draft_logits = head.logits(hidden[0, 1:]).float()
@@ -223,6 +233,7 @@ def speculative_steps(
         if n + 1 < block_size:  # negative crop = drop that many; 4.57 and 5.x agree on this spelling
             cache.crop(-(block_size - n - 1))
         features = torch.cat([features, context_features(out.hidden_states, cfg.target_layer_ids)[:, : n + 1]], dim=1)
+        features, first = window(features, first, cfg.context_window)
         new = drafts[:n].tolist() + [bonus]
         tokens += new
         lengths.append(n + 1)

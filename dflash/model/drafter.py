@@ -46,9 +46,46 @@ def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[
     return [round(start + i * (end - start) / (num_features - 1)) for i in range(num_features)]
 
 
+FULL, SLIDING = "full_attention", "sliding_attention"  # layer types, as HF and z-lab name them
+
+
+def check_layer_types(layer_types, num_layers: int, sliding_window) -> None:
+    """Fail with the config keys to change: one known type per layer, and a window of at
+    least one key (the query itself) exactly when some layer slides."""
+    if layer_types is None:
+        layer_types = []
+    elif len(layer_types) != num_layers:
+        raise ValueError(
+            f"drafter.layer_types has {len(layer_types)} entries but the drafter has drafter.num_layers="
+            f"{num_layers}: give one per layer ({FULL!r} or {SLIDING!r}), or null for all full"
+        )
+    unknown = sorted({str(t) for t in layer_types} - {FULL, SLIDING})
+    if unknown:
+        raise ValueError(f"drafter.layer_types holds {unknown}; each entry must be {FULL!r} or {SLIDING!r}")
+    if SLIDING in layer_types:
+        if sliding_window is None or isinstance(sliding_window, bool) or int(sliding_window) != sliding_window \
+                or sliding_window < 1:
+            raise ValueError(
+                f"drafter.layer_types has sliding layers, so drafter.sliding_window must be an integer >= 1 "
+                f"(keys a query sees, itself included), not {sliding_window!r}"
+            )
+    elif sliding_window is not None:
+        raise ValueError(
+            f"drafter.sliding_window={sliding_window!r} but no layer slides: set drafter.layer_types, "
+            "or leave the window null"
+        )
+
+
 @dataclass
 class DrafterConfig:
-    """Shape of a drafter; everything but ``num_layers`` comes from the target."""
+    """Shape of a drafter; everything but ``num_layers`` (and the attention of each
+    layer, ``layer_types`` and ``sliding_window``) comes from the target.
+
+    ``layer_types`` is ``None`` when every layer has full attention (an all-full list
+    is stored as ``None``); a ``"sliding_attention"`` layer's query at position ``p``
+    sees the keys at positions ``(p - sliding_window, p]``, context and block alike
+    (docs/DESIGN.md section 1).
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -64,6 +101,29 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 40960
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        check_layer_types(self.layer_types, self.num_layers, self.sliding_window)
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types) if SLIDING in self.layer_types else None
+        if self.sliding_window is not None:
+            self.sliding_window = int(self.sliding_window)
+
+    @property
+    def attention_types(self) -> list[str]:
+        """The type of every layer."""
+        return list(self.layer_types or [FULL] * self.num_layers)
+
+    @property
+    def context_window(self) -> int | None:
+        """How many context positions before a block any layer can see: all (``None``)
+        unless every layer slides, then ``sliding_window - 1`` (the block's first slot
+        takes one place of its window)."""
+        if self.layer_types is None or FULL in self.layer_types:
+            return None
+        return self.sliding_window - 1
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +177,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 Mask = BlockMask | torch.Tensor | None
+
+
+def window_mask(ctx_positions: torch.Tensor, block_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """A sliding layer's mask at inference, ``[b, 1, B, S + B]``, from positions alone:
+    the block query at ``p`` sees the keys at ``(p - window, p]`` among the context and
+    the block (z-lab's rule, docs/DESIGN.md section 1). Training builds its own from the
+    anchors (:mod:`dflash.objective.masks`); tests hold the two equal."""
+    q = block_positions[:, None, :, None]
+    k = torch.cat([ctx_positions, block_positions], dim=1)[:, None, None, :]
+    return (k <= q) & (q - k < window)
 
 
 @functools.cache
@@ -227,13 +297,29 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def layer_masks(self, mask: Mask | dict[str, Mask], ctx_positions: torch.Tensor,
+                    block_positions: torch.Tensor) -> list[Mask]:
+        """The mask of every layer. Training gives one mask, or with sliding layers one per
+        layer type (``{"full_attention": ..., "sliding_attention": ...}``, as HF maps
+        them); ``None`` is inference, where sliding layers still need their window."""
+        types = self.config.attention_types
+        if isinstance(mask, dict):
+            return [mask[t] for t in types]
+        if SLIDING not in types:
+            return [mask] * len(types)
+        if mask is not None:
+            raise ValueError("a drafter with sliding layers takes a mask per layer type: "
+                             f"{{{FULL!r}: ..., {SLIDING!r}: ...}}")
+        window = window_mask(ctx_positions, block_positions, self.config.sliding_window)
+        return [window if t == SLIDING else None for t in types]
+
     def forward(
         self,
         ctx_features: torch.Tensor,
         block_embeds: torch.Tensor,
         ctx_positions: torch.Tensor,
         block_positions: torch.Tensor,
-        mask: Mask = None,
+        mask: Mask | dict[str, Mask] = None,
         drafted_only: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[b, n*B, H]`` of every block slot, or with
@@ -246,11 +332,12 @@ class DFlashDrafter(nn.Module):
         ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
         rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
         rope_block = self.rotary(block_positions, block_embeds.dtype)
+        masks = self.layer_masks(mask, ctx_positions, block_positions)
         x = block_embeds
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             cut = self.config.block_size if drafted_only and i == last else None
-            x = layer(x, ctx, rope_block, rope_ctx, mask, cut)
+            x = layer(x, ctx, rope_block, rope_ctx, masks[i], cut)
         return self.norm(x)
 
 

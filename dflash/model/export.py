@@ -4,9 +4,10 @@ The layout is what vLLM (``qwen3_dflash.py``) and SGLang (``models/dflash.py``)
 load: a Qwen3 ``config.json`` with ``architectures: ["DFlashDraftModel"]``,
 ``block_size`` and ``num_target_layers`` at the top level (older loaders) and
 inside ``dflash_config`` (newer ones) next to ``mask_token_id`` and
-``target_layer_ids``; weights named ``fc``, ``hidden_norm``, ``layers.N.*`` and
-``norm`` with no ``model.`` prefix and no embedding or LM head (the engines use
-the target's).
+``target_layer_ids``; each layer's attention in ``layer_types``, with
+``sliding_window`` and ``use_sliding_window`` set when a layer slides; weights
+named ``fc``, ``hidden_norm``, ``layers.N.*`` and ``norm`` with no ``model.``
+prefix and no embedding or LM head (the engines use the target's).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.files import publish, staging_dir
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.drafter import SLIDING, DFlashDrafter, DrafterConfig
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -42,10 +43,12 @@ def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": False,
-        "layer_types": ["full_attention"] * cfg.num_layers,
+        "layer_types": cfg.attention_types,
         "max_window_layers": cfg.num_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        # HF's Qwen3Config keeps sliding_window only with use_sliding_window; no is_causal:
+        # z-lab and vLLM then make sliding layers causal and full ones bidirectional, as here
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
         "initializer_range": 0.02,
         "dtype": dtype,
         "block_size": cfg.block_size,
@@ -70,10 +73,32 @@ def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: str = "bfloa
     return publish(tmp, out)
 
 
+def attention_from_hf(config: dict) -> tuple[list[str] | None, int | None]:
+    """``layer_types`` and ``sliding_window`` of an HF config, refusing the attention this
+    drafter cannot run: a causality override (``is_causal``, ``dflash_config.causal``),
+    which would make full layers causal or sliding ones bidirectional, ``use_swa``, and
+    sliding layers whose window HF's Qwen3Config would drop (no ``use_sliding_window``)."""
+    dflash = config.get("dflash_config", {})
+    layer_types = config.get("layer_types")
+    sliding = [t == SLIDING for t in layer_types or []]
+    for key, causal in (("is_causal", config.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
+        if causal is not None and any(s != bool(causal) for s in sliding or [False]):
+            raise ValueError(f"{key}={causal} overrides the attention of every layer; this drafter runs sliding "
+                             "layers causal and full layers bidirectional (z-lab's default) only")
+    if dflash.get("use_swa"):
+        raise ValueError("dflash_config.use_swa (bidirectional sliding attention) is not supported")
+    if not any(sliding):
+        return None, None
+    if not config.get("use_sliding_window", False):
+        raise ValueError("layer_types has sliding layers but use_sliding_window is false, so HF drops sliding_window")
+    return list(layer_types), config.get("sliding_window")
+
+
 def drafter_config_from_hf(config: dict) -> DrafterConfig:
     dflash = config.get("dflash_config", {})
     block_size = config.get("block_size", dflash.get("block_size"))
     rope_theta = config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 1_000_000.0)
+    layer_types, sliding_window = attention_from_hf(config)
     return DrafterConfig(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -89,6 +114,8 @@ def drafter_config_from_hf(config: dict) -> DrafterConfig:
         rms_norm_eps=config["rms_norm_eps"],
         rope_theta=float(rope_theta),
         max_position_embeddings=config["max_position_embeddings"],
+        layer_types=layer_types,
+        sliding_window=sliding_window,
     )
 
 

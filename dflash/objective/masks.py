@@ -4,7 +4,8 @@ Keys are laid out ``[context (S) | block_0 | block_1 | ...]``; queries are the
 block tokens. A query of block ``j`` sees context keys strictly before its anchor
 (the anchor's own hidden state does not exist yet at inference) and every key of
 its own block (bidirectional), never another block. A padded block (anchor 0)
-sees only itself, so no row is empty and SDPA never yields NaN.
+sees only itself, so no row is empty and SDPA never yields NaN. A sliding layer's
+mask keeps of these only the keys within its window (:func:`dflash_mask_mod`).
 
 The same function gives a flex ``BlockMask`` on CUDA and a dense boolean mask for
 SDPA on the CPU (flex_attention has no CPU backward), so the two cannot drift.
@@ -26,8 +27,14 @@ from torch.nn.attention.flex_attention import BlockMask
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int) -> MaskMod:
-    """``anchors`` is ``[b, num_anchors]``; ``ctx_len`` the (padded) context length."""
+def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None) -> MaskMod:
+    """``anchors`` is ``[b, num_anchors]``; ``ctx_len`` the (padded) context length.
+
+    With ``window`` (a sliding layer), the query at position ``p = anchor + slot`` keeps
+    of those keys only the ones at positions ``(p - window, p]``: context keys after
+    ``p - window``, and the slots of its own block up to its own, at most ``window`` of
+    them (z-lab's rule, docs/DESIGN.md section 1). A padded block still sees its own
+    slot, so no row is empty."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
@@ -36,7 +43,16 @@ def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int) -> Mas
         same_block = ~in_ctx & ((kv_idx - ctx_len) // block_size == block)
         return sees_ctx | same_block
 
-    return mask_mod
+    if window is None:
+        return mask_mod
+
+    def windowed(b, h, q_idx, kv_idx):
+        # positions relative to the anchor: the query's is its slot, a context key's is negative
+        slot = q_idx % block_size
+        key = torch.where(kv_idx < ctx_len, kv_idx - anchors[b, q_idx // block_size], (kv_idx - ctx_len) % block_size)
+        return mask_mod(b, h, q_idx, kv_idx) & (key <= slot) & (slot - key < window)
+
+    return windowed
 
 
 def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
@@ -94,13 +110,15 @@ def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, devi
 
 
 def build_mask(
-    anchors: torch.Tensor, ctx_len: int, block_size: int, use_flex: bool
+    anchors: torch.Tensor, ctx_len: int, block_size: int, use_flex: bool, window: int | None = None
 ) -> BlockMask | torch.Tensor:
-    """The mask for one micro-batch, as a BlockMask (flex) or a dense bool tensor (SDPA)."""
+    """The mask for one micro-batch, as a BlockMask (flex) or a dense bool tensor (SDPA);
+    with ``window``, a sliding layer's (its BlockMask skips the tiles outside the window,
+    so the layer's attention does not grow with the context)."""
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
     kv_len = ctx_len + q_len
-    mod = dflash_mask_mod(anchors, ctx_len, block_size)
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, window)
     if use_flex:
         return flex_block_mask(mod, batch, q_len, kv_len, anchors.device)
     return dense_mask(mod, batch, q_len, kv_len, anchors.device)

@@ -25,7 +25,12 @@ from dflash.data.order import SampleOrder, collate
 from dflash.device import pick_device
 from dflash.distributed.protocol import Protocol, Timeouts
 from dflash.distributed.topology import Topology, auto_target_ranks
-from dflash.model.drafter import DFlashDrafter, DrafterConfig, TargetHead
+from dflash.model.drafter import (
+    DFlashDrafter,
+    DrafterConfig,
+    TargetHead,
+    check_layer_types,
+)
 from dflash.model.target import PrefillOutput, Target, TargetSource
 from dflash.run.checkpoint import resume_candidates
 from dflash.run.config import target_source
@@ -53,6 +58,8 @@ class Job:
 
 
 def build_job(cfg: DictConfig) -> Job:
+    drafter = cfg.drafter  # checked on every rank, before anything loads
+    check_layer_types(drafter.get("layer_types"), drafter.num_layers, drafter.get("sliding_window"))
     source = target_source(cfg)
     target_config, tokenizer = source.config(), source.tokenizer()
     plan = resolve_plan(cfg, target_config, tokenizer)
@@ -101,9 +108,10 @@ def auto_split(job: Job, world: int) -> int:
 
 
 def drafter_config(job: Job) -> DrafterConfig:
-    """The drafter takes every shape but its depth from the target."""
+    """The drafter takes every shape but its depth (and each layer's attention) from the target."""
     text, drafter = job.target_config.get_text_config(), job.cfg.drafter
     rope = getattr(text, "rope_parameters", None) or {}
+    layer_types = drafter.get("layer_types")
     return DrafterConfig(
         hidden_size=text.hidden_size,
         intermediate_size=drafter.intermediate_size or text.intermediate_size,
@@ -119,6 +127,8 @@ def drafter_config(job: Job) -> DrafterConfig:
         rms_norm_eps=text.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 1_000_000.0))),
         max_position_embeddings=text.max_position_embeddings,
+        layer_types=None if layer_types is None else list(layer_types),
+        sliding_window=drafter.get("sliding_window"),
     )
 
 

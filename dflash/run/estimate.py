@@ -18,7 +18,7 @@ import torch
 
 from dflash.data.bundle import shapes
 from dflash.distributed.topology import Topology, TopologyError
-from dflash.model.drafter import DrafterConfig
+from dflash.model.drafter import FULL, DrafterConfig
 from dflash.model.target import decoder_layers
 from dflash.run.build import Job, auto_split, meta_models, split_by_flops
 from dflash.run.plan import Plan
@@ -37,19 +37,31 @@ class PlanError(ValueError):
     """A plan that cannot run as configured; the message names the key to change."""
 
 
+def sliding_keys(d: DrafterConfig, seq_len: int) -> float:
+    """Keys a block query of a sliding layer sees, on average over the block's slots: the
+    positions ``(p - window, p]`` of the query at ``p = anchor + slot``, with the anchor
+    at the mean a full layer's count takes, ``(S - B)/2``."""
+    if d.sliding_window is None:
+        return 0.0
+    anchor = (seq_len - d.block_size) / 2
+    return sum(min(d.sliding_window, anchor + slot + 1) for slot in range(d.block_size)) / d.block_size
+
+
 def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int) -> float:
     """Training FLOPs of one sequence, counted as in docs/DESIGN.md section 6."""
     h, kv = d.hidden_size, d.num_key_value_heads * d.head_dim
     q = d.num_attention_heads * d.head_dim
     attention_linear, mlp = h * q * 2 + h * kv * 2, 3 * h * d.intermediate_size
     tq = num_anchors * d.block_size
+    full_layers = d.attention_types.count(FULL)
     return (
         6 * attention_linear * d.num_layers * tq
         + 6 * mlp * ((d.num_layers - 1) * tq + num_anchors * (d.block_size - 1))
         + 6 * (2 * h * kv) * d.num_layers * seq_len
         + 4 * (len(d.target_layer_ids) * h * h) * seq_len
         + 4 * h * vocab_size * num_anchors * (d.block_size - 1)
-        + 12 * q * ((seq_len - d.block_size) / 2 + d.block_size) * tq * d.num_layers
+        + 12 * q * ((seq_len - d.block_size) / 2 + d.block_size) * tq * full_layers
+        + 12 * q * sliding_keys(d, seq_len) * tq * (d.num_layers - full_layers)
     )
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from dflash.compile import CompileSettings
 from dflash.data.bundle import MicroBatch
-from dflash.model.drafter import DFlashDrafter, TargetHead, drafted
+from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, TargetHead, drafted
 from dflash.model.linear import Linear
 from dflash.model.target import PrefillOutput
 from dflash.objective.anchors import make_blocks
@@ -113,6 +113,7 @@ class DrafterTrainer:
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.device = next(drafter.parameters()).device
         self.use_flex = self.device.type == "cuda"
+        self.sliding_window = drafter.config.sliding_window  # None unless some layer slides
         self.autocast = (
             torch.autocast(self.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
         )
@@ -171,6 +172,8 @@ class DrafterTrainer:
         blocks = make_blocks(input_ids, loss_mask, lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma)
         b, seq_len = input_ids.shape
         mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex)
+        if self.sliding_window is not None:  # sliding layers take a second, windowed mask
+            mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, obj.block_size, self.use_flex, self.sliding_window)}
         ctx_positions = torch.arange(seq_len, device=input_ids.device).expand(b, seq_len)
         labels, weights = drafted(blocks.labels, obj.block_size), drafted(blocks.weights, obj.block_size)
         teacher_idx = teacher_logits = None

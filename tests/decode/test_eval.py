@@ -1,5 +1,6 @@
 """Speculative decoding eval: lossless greedy, accept/bonus/crop bookkeeping, sampling, CLI."""
 
+import copy
 import json
 import random
 from collections import Counter
@@ -24,8 +25,9 @@ from dflash.decode.speculative import (
     with_cache,
 )
 from dflash.eval import main
-from dflash.model.drafter import TargetHead
+from dflash.model.drafter import FULL, SLIDING, TargetHead
 from dflash.model.export import save_export
+from dflash.objective.masks import build_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,19 +47,22 @@ def prompt(seed: int, length: int = 9) -> torch.Tensor:
 
 class ScriptedDrafter(nn.Module):
     """Proposes ``proposals[position]`` for each block slot, and checks on every call
-    that its context is exactly the target's hidden states of the accepted prefix."""
+    that its context is exactly the target's hidden states of the accepted prefix, or of
+    its last ``context`` positions."""
 
-    def __init__(self, config, proposals: list[int], reference_features: torch.Tensor):
+    def __init__(self, config, proposals: list[int], reference_features: torch.Tensor, context: int | None = None):
         super().__init__()
         self.config = config
         self.proposals = torch.tensor(proposals)
         self.reference_features = reference_features
+        self.context = context
 
     def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
-        p = ctx_features.shape[1]
-        assert mask is None and torch.equal(ctx_positions[0], torch.arange(p))
+        p = int(block_positions[0, 0])
+        first = 0 if self.context is None else max(0, p - self.context)
+        assert mask is None and torch.equal(ctx_positions[0], torch.arange(first, p))
         assert torch.equal(block_positions[0], torch.arange(p, p + self.config.block_size))
-        torch.testing.assert_close(ctx_features, self.reference_features[:, :p], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ctx_features, self.reference_features[:, first:p], atol=1e-4, rtol=1e-4)
         return block_positions[..., None].float()  # the "hidden state" carries the position
 
 
@@ -74,8 +79,9 @@ class ScriptedHead:
         return F.one_hot(self.proposals[hidden[..., 0].long()], VOCAB).float()
 
 
-def scripted(target, prompt_ids, corrupt: set[int]):
-    """Drafter + head proposing the target's greedy continuation, wrong at ``corrupt`` positions.
+def scripted(target, prompt_ids, corrupt: set[int], context: int | None = None, **attention):
+    """Drafter + head proposing the target's greedy continuation, wrong at ``corrupt`` positions;
+    its config has the layer types of ``attention``, so it must be given ``context`` positions.
 
     The continuation runs B tokens past MAX_NEW so every proposal has a true value.
     """
@@ -84,7 +90,7 @@ def scripted(target, prompt_ids, corrupt: set[int]):
     with torch.no_grad():
         hs = target(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
     features = torch.cat([hs[i + 1] for i in (1, 2, 3)], dim=-1)
-    drafter = ScriptedDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, proposals, features)
+    drafter = ScriptedDrafter(tiny_drafter(vocab=VOCAB, block_size=B, **attention).config, proposals, features, context)
     return drafter, ScriptedHead(drafter.proposals), sequence[prompt_ids.shape[1]:]
 
 
@@ -128,6 +134,50 @@ def test_acceptance_matches_a_hand_written_loop(target):
     assert tokens == greedy[:MAX_NEW]
     assert lengths == reference_acceptance(greedy, drafter.proposals.tolist(), ids.shape[1])
     assert len(set(lengths)) > 2  # the corruptions exercise several acceptance lengths
+
+
+@pytest.mark.parametrize("window,context", [(3, 2), (1, 0), (40, 39)])
+def test_a_sliding_drafter_sees_its_window_and_accepts_as_a_hand_written_loop(target, window, context):
+    """Every layer slides: the drafter is given the last ``window - 1`` context positions,
+    what its first slot's window reaches; acceptance is counted as without a window."""
+    ids = prompt(4)
+    corrupt = set(random.Random(1).sample(range(ids.shape[1], ids.shape[1] + MAX_NEW + B), 12))
+    drafter, head, greedy = scripted(target, ids, corrupt, context, layer_types=[SLIDING] * 2, sliding_window=window)
+    tokens, lengths = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW)
+    assert tokens == greedy[:MAX_NEW]
+    assert lengths == reference_acceptance(greedy, drafter.proposals.tolist(), ids.shape[1])
+    assert len(set(lengths)) > 2
+
+
+@pytest.mark.parametrize("layer_types", [[SLIDING] * 2, [SLIDING, FULL]], ids=["all-sliding", "mixed"])
+def test_sliding_drafter_decodes_losslessly_with_its_training_forward(target, layer_types):
+    """Float64 decoding with a real sliding drafter: greedy output equals plain greedy, and
+    every cycle's drafter forward (its window applied at inference) equals the training
+    forward of that block under the windowed mask, over the target's features of the
+    whole sequence."""
+    target64, window = copy.deepcopy(target).double(), 3
+    drafter = tiny_drafter(vocab=VOCAB, block_size=B, layer_types=layer_types, sliding_window=window).double().eval()
+    drafter.reset_parameters(0.2)
+    head, ids = TargetHead.of(target64), prompt(5)
+    calls = []
+
+    def record(module, args, output):
+        calls.append((args[3][0, 0].item(), args[1].clone(), output.clone()))
+
+    hook = drafter.register_forward_hook(record)
+    tokens, lengths = speculative_generate(target64, drafter, head, ids, max_new_tokens=MAX_NEW)
+    hook.remove()
+    assert tokens == greedy_generate(target64, ids, MAX_NEW) and len(lengths) == len(calls) > 5
+    sequence = torch.cat([ids, torch.tensor([tokens])], dim=1)
+    with torch.no_grad():
+        hs = target64(input_ids=sequence, output_hidden_states=True).hidden_states
+        features = torch.cat([hs[i + 1] for i in (1, 2, 3)], dim=-1)
+        n = features.shape[1]
+        for p, embeds, hidden in calls:
+            anchors = torch.tensor([[p]])
+            masks = {FULL: build_mask(anchors, n, B, False), SLIDING: build_mask(anchors, n, B, False, window)}
+            trained = drafter(features, embeds, torch.arange(n)[None], torch.arange(p, p + B)[None], masks)
+            torch.testing.assert_close(hidden, trained, rtol=1e-9, atol=1e-11, msg=f"block at {p}")
 
 
 def test_stops_at_eos_and_truncates(target):

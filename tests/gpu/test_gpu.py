@@ -11,6 +11,7 @@ from helpers import flat_grads, tiny_drafter, tiny_head
 from dflash.compile import CompileGuard, CompileSettings
 from dflash.data.bundle import random_batch, random_prefill, to_device
 from dflash.distributed.protocol import free_port
+from dflash.model.drafter import FULL, SLIDING
 from dflash.objective.anchors import (
     AnchorSpec,
     make_blocks,
@@ -28,10 +29,14 @@ from dflash.run.step import (
 pytestmark = pytest.mark.gpu
 
 
-def test_drafter_flex_equals_dense_forward_and_backward():
+SLIDING_LAYER = {"layer_types": [SLIDING, FULL], "sliding_window": 40}
+
+
+@pytest.mark.parametrize("attention", [{}, SLIDING_LAYER], ids=["full", "sliding"])
+def test_drafter_flex_equals_dense_forward_and_backward(attention):
     torch.manual_seed(0)
     bs, seq_len, n = 16, 256, 12
-    drafter = tiny_drafter(hidden=128, layer_ids=(1, 2, 3), block_size=bs).cuda()
+    drafter = tiny_drafter(hidden=128, layer_ids=(1, 2, 3), block_size=bs, **attention).cuda()
     ids = torch.randint(0, 90, (2, seq_len), device="cuda")
     loss_mask = torch.zeros(2, seq_len, dtype=torch.long)
     loss_mask[:, 40:] = 1
@@ -46,6 +51,8 @@ def test_drafter_flex_equals_dense_forward_and_backward():
     for flex in (True, False):
         drafter.zero_grad()
         mask = build_mask(anchors, seq_len, bs, use_flex=flex)
+        if attention:
+            mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, bs, use_flex=flex, window=40)}
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = drafter(feats, embeds, ctx_pos, blocks.positions, mask)
         out.float().square().mean().backward()
@@ -64,11 +71,12 @@ def _trainer(drafter, settings):
     return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, torch.bfloat16, settings)
 
 
-def test_reduce_overhead_equals_eager_with_accumulation():
+@pytest.mark.parametrize("attention", [{}, SLIDING_LAYER], ids=["full", "sliding"])
+def test_reduce_overhead_equals_eager_with_accumulation(attention):
     """Five steps of two micro-batches each, alternating buckets: same losses within
     bf16 tolerance, and nothing compiles or skips CUDA graphs after warmup."""
     torch._dynamo.reset()
-    base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda()
+    base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16, **attention).cuda()
     settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
     eager, graphed = _trainer(copy.deepcopy(base), None), _trainer(copy.deepcopy(base), settings)
     spec = AnchorSpec(8, 0)

@@ -2,11 +2,14 @@
 
 import json
 
+import pytest
 import torch
 from helpers import tiny_drafter
 from safetensors import safe_open
+from transformers import Qwen3Config
 
-from dflash.model.export import load_export, save_export
+from dflash.model.drafter import DrafterConfig
+from dflash.model.export import drafter_config_from_hf, load_export, save_export
 
 
 def test_round_trip_gives_identical_outputs(tmp_path):
@@ -44,3 +47,76 @@ def test_config_fields_and_weight_names(tmp_path):
     assert not any(n.startswith("model.") or "embed" in n or "lm_head" in n for n in names)
     assert len(names) == 3 + 2 * len(per_layer)
     assert not (tmp_path / "export.tmp").exists()
+
+
+# ---------------------------------------------------------------------------
+# Sliding layers: layer_types and sliding_window in config.json
+# ---------------------------------------------------------------------------
+
+MIXED = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=3)
+
+
+def test_all_full_export_config_is_unchanged(tmp_path):
+    """An all-full drafter's config.json, key for key, as before sliding layers existed."""
+    cfg = json.loads((save_export(tiny_drafter(), tmp_path / "export") / "config.json").read_text())
+    assert cfg == {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False,
+        "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+        "vocab_size": 96, "tie_word_embeddings": False, "layer_types": ["full_attention", "full_attention"],
+        "max_window_layers": 2, "use_sliding_window": False, "sliding_window": None, "initializer_range": 0.02,
+        "dtype": "bfloat16", "block_size": 4, "num_target_layers": 6,
+        "dflash_config": {"mask_token_id": 95, "target_layer_ids": [1, 2, 3], "block_size": 4},
+    }
+    assert load_export(tmp_path / "export").config == tiny_drafter().config
+
+
+def test_sliding_layers_round_trip(tmp_path):
+    drafter = tiny_drafter(**MIXED).eval()
+    out = save_export(drafter, tmp_path / "export", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer_types"] == MIXED["layer_types"] and cfg["sliding_window"] == 3
+    assert cfg["use_sliding_window"] is True and "is_causal" not in cfg  # z-lab / vLLM: sliding layers causal
+    hf = Qwen3Config(**cfg)  # what z-lab's DFlashDraftModel (a Qwen3Config) reads
+    assert hf.layer_types == MIXED["layer_types"] and hf.sliding_window == 3
+    loaded = load_export(out)
+    assert loaded.config == drafter.config
+    g = torch.Generator().manual_seed(0)
+    ctx, blk = torch.randn(1, 9, 3 * 64, generator=g), torch.randn(1, 4, 64, generator=g)
+    cpos, bpos = torch.arange(9)[None], torch.arange(9, 13)[None]
+    with torch.no_grad():
+        windowed = loaded(ctx, blk, cpos, bpos)
+        assert torch.equal(drafter(ctx, blk, cpos, bpos), windowed)
+        assert not torch.allclose(tiny_drafter()(ctx, blk, cpos, bpos), windowed)  # the window is applied
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"is_causal": False}, "is_causal=False"),
+    ({"dflash_config": {"causal": True}}, "dflash_config.causal=True"),
+    ({"use_sliding_window": False}, "use_sliding_window"),
+    ({"layer_types": ["sliding_attention"]}, "drafter.num_layers=2"),
+    ({"sliding_window": 0}, "sliding_window must be an integer >= 1"),
+])
+def test_attention_this_drafter_cannot_run_is_refused(tmp_path, change, message):
+    out = save_export(tiny_drafter(**MIXED), tmp_path / "export")
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(change)
+    with pytest.raises(ValueError, match=message):
+        drafter_config_from_hf(cfg)
+
+
+def test_layer_types_are_checked():
+    def config(**kwargs):
+        return dict(tiny_drafter().config.to_dict(), **kwargs)
+
+    with pytest.raises(ValueError, match="has 1 entries but the drafter has drafter.num_layers=2"):
+        DrafterConfig(**config(layer_types=["full_attention"]))
+    with pytest.raises(ValueError, match="'global'"):
+        DrafterConfig(**config(layer_types=["full_attention", "global"]))
+    for window in (None, 0, 2.5):
+        with pytest.raises(ValueError, match="drafter.sliding_window must be an integer >= 1"):
+            DrafterConfig(**config(layer_types=["full_attention", "sliding_attention"], sliding_window=window))
+    with pytest.raises(ValueError, match="no layer slides"):
+        DrafterConfig(**config(sliding_window=8))
+    assert DrafterConfig(**config(layer_types=["full_attention"] * 2)).layer_types is None  # all full: stored as None

@@ -3,6 +3,9 @@
 Block j of the training forward must equal an inference-style forward (no mask)
 over the context ``features[:a_j]`` and that block alone; nothing at or after the
 anchor and nothing of another block may reach it; context before the anchor must.
+With sliding layers (docs/DESIGN.md section 1), the same against the forward
+speculative decoding runs: the context cut to the last ``window - 1`` positions when
+every layer slides, the sliding layers' window applied by the drafter itself.
 In float64, so the only differences are real ones.
 """
 
@@ -10,6 +13,7 @@ import pytest
 import torch
 from helpers import tiny_drafter, tiny_head
 
+from dflash.model.drafter import FULL, SLIDING
 from dflash.objective.masks import build_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,18 +52,25 @@ def train_forward(drafter, head, features, blk_ids, anchors=ANCHORS):
     b, s = features.shape[:2]
     positions = (anchors[..., None] + torch.arange(B)).flatten(1)
     mask = build_mask(anchors, s, B, use_flex=False)
+    window = drafter.config.sliding_window
+    if window is not None:
+        mask = {FULL: mask, SLIDING: build_mask(anchors, s, B, use_flex=False, window=window)}
     with torch.no_grad():
         out = drafter(features, head.embed(blk_ids), torch.arange(s).expand(b, s), positions, mask)
     return out.view(b, anchors.shape[1], B, -1)
 
 
 def infer_forward(drafter, head, features_row, blk_row, anchor):
-    """One block with its context cut at the anchor and no mask, as speculative decoding runs it."""
+    """One block with its context cut at the anchor and no mask, as speculative decoding runs
+    it; when every layer slides, the context also starts where the first slot's window does."""
+    start = 0
+    if drafter.config.layer_types is not None and FULL not in drafter.config.layer_types:
+        start = max(0, anchor - (drafter.config.sliding_window - 1))
     with torch.no_grad():
         return drafter(
-            features_row[None, :anchor],
+            features_row[None, start:anchor],
             head.embed(blk_row[None]),
-            torch.arange(anchor)[None],
+            torch.arange(start, anchor)[None],
             torch.arange(anchor, anchor + B)[None],
         )[0]
 
@@ -143,3 +154,58 @@ def test_unfilled_slot_sees_only_itself(setup, blocks, base):
     drafter, head, _, features = setup
     ref = infer_forward(drafter, head, features[0], blocks[0, 3 * B :], 0)  # empty context
     torch.testing.assert_close(base[0, 3], ref, **TOL)
+
+
+# ---------------------------------------------------------------------------
+# Sliding layers
+# ---------------------------------------------------------------------------
+
+ALL_SLIDING = [SLIDING, SLIDING]
+
+
+@pytest.fixture(scope="module", params=[(ALL_SLIDING, 3), (ALL_SLIDING, 6), ([SLIDING, FULL], 3)],
+                ids=["all-sliding-3", "all-sliding-6", "mixed-3"])
+def sliding(setup, request):
+    """``setup``'s drafter, weights and all, with sliding layers; and its training forward."""
+    drafter, head, ids, features = setup
+    layer_types, window = request.param
+    slider = tiny_drafter(block_size=B, layer_types=layer_types, sliding_window=window).double().eval()
+    slider.load_state_dict(drafter.state_dict())
+    blocks = block_ids(ids, ANCHORS)
+    return slider, head, features, blocks, train_forward(slider, head, features, blocks)
+
+
+def test_sliding_block_equals_inference_on_its_windowed_context(sliding):
+    drafter, head, features, blocks, trained = sliding
+    for r in range(2):
+        for j in range(ANCHORS.shape[1]):
+            a = int(ANCHORS[r, j])
+            ref = infer_forward(drafter, head, features[r], blocks[r, j * B : (j + 1) * B], a)
+            torch.testing.assert_close(trained[r, j], ref, **TOL, msg=f"row {r} block {j} (anchor {a})")
+
+
+def test_context_before_every_window_is_invisible(sliding):
+    drafter, head, features, blocks, trained = sliding
+    r, j = 1, 3
+    a, w = int(ANCHORS[r, j]), drafter.config.sliding_window
+    changed = features.clone()
+    changed[r, : a - w + 1] += torch.randn_like(changed[r, : a - w + 1]) * 3  # before slot 0's window
+    after = train_forward(drafter, head, changed, blocks)
+    if FULL in drafter.config.layer_types:  # a full layer still reads it
+        assert (after[r, j] - trained[r, j]).abs().max() > 1e-4
+    else:
+        torch.testing.assert_close(after[r, j], trained[r, j], **TOL)
+    changed[r, a - w + 1] += 3  # the oldest key of slot 0's window
+    assert (train_forward(drafter, head, changed, blocks)[r, j, 0] - trained[r, j, 0]).abs().max() > 1e-4
+
+
+def test_sliding_layers_are_causal_in_the_block(sliding):
+    drafter, head, features, blocks, trained = sliding
+    changed = blocks.clone()
+    changed[0, 1 * B + 3] = 5  # last slot of block 1, row 0
+    after = train_forward(drafter, head, features, changed)
+    earlier = (after[0, 1, :3] - trained[0, 1, :3]).abs().max()
+    if FULL in drafter.config.layer_types:  # the full layer is bidirectional
+        assert earlier > 1e-4
+    else:
+        assert earlier == 0

@@ -13,19 +13,26 @@ from dflash.objective.masks import (
 )
 
 
-def reference_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Plain loops over docs/DESIGN.md section 1: strict context, bidirectional own block, no other block."""
+def reference_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None) -> torch.Tensor:
+    """Plain loops over docs/DESIGN.md section 1: strict context, bidirectional own block, no
+    other block; with ``window``, of those only the keys at positions (p - window, p] for the
+    query at position p = anchor + slot."""
     b, n = anchors.shape
     q_len, kv_len = n * block_size, ctx_len + n * block_size
     out = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)
     for r in range(b):
         for q in range(q_len):
             j = q // block_size
+            p = int(anchors[r, j]) + q % block_size
             for kv in range(kv_len):
                 if kv < ctx_len:
                     out[r, 0, q, kv] = kv < int(anchors[r, j])
+                    position = kv
                 else:
                     out[r, 0, q, kv] = (kv - ctx_len) // block_size == j
+                    position = int(anchors[r, j]) + (kv - ctx_len) % block_size
+                if window is not None:
+                    out[r, 0, q, kv] &= p - window < position <= p
     return out
 
 
@@ -35,6 +42,41 @@ ANCHORS = torch.tensor([[3, 7, 12, 0], [5, 6, 9, 13]])
 def test_dense_mask_matches_spec():
     got = build_mask(ANCHORS, ctx_len=18, block_size=4, use_flex=False)
     assert torch.equal(got, reference_mask(ANCHORS, 18, 4))
+
+
+@pytest.mark.parametrize("window", [1, 2, 4, 6, 30])
+def test_windowed_dense_mask_matches_spec(window):
+    got = build_mask(ANCHORS, ctx_len=18, block_size=4, use_flex=False, window=window)
+    assert torch.equal(got, reference_mask(ANCHORS, 18, 4, window))
+    assert got.any(-1).all(), "every query sees at least itself"
+
+
+def test_window_counts_the_block_and_measures_from_each_query():
+    m = build_mask(ANCHORS, ctx_len=18, block_size=4, use_flex=False, window=3)
+    # row 1, block 0: anchor 5, slots at positions 5..8; keys (p - 3, p]
+    assert m[1, 0, 0, :18].nonzero().flatten().tolist() == [3, 4]  # slot 0: two context keys and itself
+    assert m[1, 0, 1, :18].nonzero().flatten().tolist() == [4]
+    assert not m[1, 0, 2, :18].any() and not m[1, 0, 3, :18].any()  # the window is all block
+    assert m[1, 0, 0:4, 18:22].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]]
+    huge, full = build_mask(ANCHORS, 18, 4, False, window=10**6), build_mask(ANCHORS, 18, 4, False)
+    assert torch.equal(huge[..., :18], full[..., :18]), "a window past the sequence keeps all the context"
+    assert torch.equal(huge[1, 0, 0:4, 18:22], torch.ones(4, 4, dtype=torch.bool).tril()), "and is causal in the block"
+
+
+def test_sliding_block_mask_skips_tiles_outside_the_window():
+    """The flex BlockMask of a sliding layer visits as many key tiles at any context length;
+    a full layer's grows with the context."""
+
+    def tiles(ctx_len, window):
+        """Key tiles visited by each of the 4 query tiles (8 blocks of 16 each)."""
+        anchors = (ctx_len - 512 + torch.arange(32) * 16)[None]  # 32 anchors in the last 512 positions
+        bm = build_mask(anchors, ctx_len, 16, use_flex=True, window=window)
+        return (bm.kv_num_blocks + bm.full_kv_num_blocks).flatten().tolist()
+
+    # 128 queries see context from 63 before their first anchor to their last one: two
+    # context tiles, and the tile of their own blocks
+    assert tiles(1024, 64) == tiles(4096, 64) == [3, 3, 3, 3]
+    assert tiles(1024, None) == [6, 7, 8, 9] and tiles(4096, None) == [30, 31, 32, 33]
 
 
 def test_context_is_strictly_before_anchor():
@@ -72,15 +114,17 @@ BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_in
                 "full_q_num_blocks", "full_q_indices")
 
 
-@pytest.mark.parametrize("ctx_len,num_anchors,block_size", [(128, 4, 16), (256, 24, 16), (200, 9, 10), (640, 40, 16)])
-def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size):
+@pytest.mark.parametrize("ctx_len,num_anchors,block_size,window", [
+    (128, 4, 16, None), (256, 24, 16, None), (200, 9, 10, None), (640, 40, 16, None), (256, 24, 16, 40), (640, 40, 16, 7),
+])
+def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size, window):
     """Every tensor of the sort-free BlockMask equals create_block_mask's, padded anchors
-    (0) and lengths that are not multiples of the 128 block included."""
+    (0), lengths that are not multiples of the 128 block and sliding windows included."""
     g = torch.Generator().manual_seed(ctx_len + num_anchors)
     anchors = torch.randint(1, ctx_len, (3, num_anchors), generator=g).sort(-1).values
     anchors[1, num_anchors // 2:] = 0  # unfilled slots
     anchors[2] = 0
-    mod = dflash_mask_mod(anchors, ctx_len, block_size)
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, window)
     q_len = num_anchors * block_size
     kv_len = ctx_len + q_len
     want = create_block_mask(mod, 3, None, q_len, kv_len, device="cpu")
@@ -92,13 +136,14 @@ def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size):
 
 
 @pytest.mark.gpu
-def test_flex_matches_dense_sdpa_on_cuda():
+@pytest.mark.parametrize("window", [None, 24])
+def test_flex_matches_dense_sdpa_on_cuda(window):
     torch.manual_seed(0)
     anchors = torch.tensor([[20, 50, 90, 0], [10, 33, 64, 100]], device="cuda")
     ctx_len, bs = 128, 16
     q_len, kv_len = anchors.shape[1] * bs, ctx_len + anchors.shape[1] * bs
-    bm = build_mask(anchors, ctx_len, bs, use_flex=True)
-    dense = build_mask(anchors, ctx_len, bs, use_flex=False)
+    bm = build_mask(anchors, ctx_len, bs, use_flex=True, window=window)
+    dense = build_mask(anchors, ctx_len, bs, use_flex=False, window=window)
     q = torch.randn(2, 4, q_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(2, 2, kv_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2, 2, kv_len, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)

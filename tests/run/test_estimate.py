@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash.data.bundle import flatten, random_batch, random_prefill
+from dflash.model.drafter import DrafterConfig
 from dflash.run.build import build_job
 from dflash.run.config import compose_config
-from dflash.run.estimate import estimate
+from dflash.run.estimate import drafter_flops, estimate
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_8B = ["target=qwen3_8b", "train=paper", "dry_run=true", "estimate.nproc=8"]
@@ -65,3 +67,31 @@ def test_evaluation_while_training_is_planned_on_target_rank_0(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2.0 evaluation drafter" in proc.stdout  # 1.049B parameters in bf16
     assert "every 500 steps on target rank 0" in proc.stdout
+
+
+def test_sliding_layers_count_only_the_keys_in_their_window():
+    """docs/DESIGN.md section 6 by hand: H=64, q=64, kv=32, I=128, L=2, B=4, 3 anchors
+    (Tq=12, Td=9), S=20, V=96, n=3; the mean anchor sits at (S-B)/2 = 8."""
+    def config(layer_types=None, window=None):
+        return DrafterConfig(64, 128, 2, 4, 2, 16, 96, 6, [1, 2, 3], 95, 4, layer_types=layer_types,
+                             sliding_window=window)
+
+    rest = (6 * (2 * 64 * 64 + 2 * 64 * 32) * 2 * 12  # block attention projections
+            + 6 * (3 * 64 * 128) * (12 + 9)  # MLPs, the last on the drafted slots
+            + 6 * (2 * 64 * 32) * 2 * 20  # context K/V
+            + 4 * (3 * 64 * 64) * 20  # fc
+            + 4 * 64 * 96 * 9)  # LM head
+    full_layer = 12 * 64 * 12 * (8 + 4)  # half the context and the whole block
+    assert drafter_flops(config(), 20, 3, 96) == rest + 2 * full_layer
+    # window 4: slot k at 8 + k sees keys (8 + k - 4, 8 + k], four of them
+    assert drafter_flops(config(["sliding_attention", "full_attention"], 4), 20, 3, 96) == \
+        rest + full_layer + 12 * 64 * 12 * 4 == 7_200_768
+    # window 10: the slots see 9, 10, 10, 10 keys (slot 0 has only positions 0..8)
+    assert drafter_flops(config(["sliding_attention"] * 2, 10), 20, 3, 96) == rest + 2 * 12 * 64 * 12 * 9.75
+
+
+def test_layer_types_are_checked_before_anything_loads():
+    with pytest.raises(ValueError, match="drafter.layer_types has 1 entries but the drafter has drafter.num_layers=5"):
+        build_job(compose_config(["drafter.layer_types=[sliding_attention]"]))
+    with pytest.raises(ValueError, match="drafter.sliding_window must be an integer >= 1"):
+        build_job(compose_config(["drafter.num_layers=1", "drafter.layer_types=[sliding_attention]"]))

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from helpers import flat_grads, tiny_drafter, tiny_head
 
 from dflash.data.bundle import MicroBatch
+from dflash.model.drafter import FULL, SLIDING
 from dflash.model.target import PrefillOutput
 from dflash.objective.anchors import make_blocks, sample_anchors, sample_generator
 from dflash.objective.masks import build_mask
@@ -95,11 +96,13 @@ def test_restore_refreshes_the_compute_weights(tmp_path):
     assert torch.equal(flat_grads(trained), flat_grads(resumed))
 
 
-def test_micro_step_equals_a_float64_loss_over_every_block_slot():
+@pytest.mark.parametrize("attention", [{}, {"layer_types": [SLIDING, FULL], "sliding_window": 5}],
+                         ids=["full", "sliding"])
+def test_micro_step_equals_a_float64_loss_over_every_block_slot(attention):
     """The step takes logits only at the drafted slots 1..B-1. A float64 loss with logits at
     every slot, the anchor's included (with its zero weight), has the same value and the
-    same gradients."""
-    base, head = tiny_drafter(block_size=BS), tiny_head()
+    same gradients. With a sliding layer, the reference gives it the windowed mask."""
+    base, head = tiny_drafter(block_size=BS, **attention), tiny_head()
     mb, pf = batch(rows=[0, 1], lengths=[32, 20])
     trainer = make_trainer(copy.deepcopy(base))
     trainer.micro_step(mb, pf)
@@ -107,9 +110,12 @@ def test_micro_step_equals_a_float64_loss_over_every_block_slot():
     ref = copy.deepcopy(base).double()
     blocks = make_blocks(mb.input_ids, mb.loss_mask, mb.lengths, mb.anchors, mb.keep, BS, 95, 7.0)
     seq_len = mb.input_ids.shape[1]
+    mask = build_mask(mb.anchors, seq_len, BS, False)
+    if attention:
+        mask = {FULL: mask, SLIDING: build_mask(mb.anchors, seq_len, BS, False, window=attention["sliding_window"])}
     hidden = ref(
         pf.features.double(), F.embedding(blocks.ids, head.embed_weight.double()),
-        torch.arange(seq_len).expand(2, seq_len), blocks.positions, build_mask(mb.anchors, seq_len, BS, False),
+        torch.arange(seq_len).expand(2, seq_len), blocks.positions, mask,
     )
     nll = F.cross_entropy((hidden @ head.lm_head_weight.double().T).flatten(0, 1), blocks.labels.flatten(), reduction="none")
     loss = (blocks.weights.double().flatten() * nll).sum()
