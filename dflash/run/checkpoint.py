@@ -18,7 +18,9 @@ import logging
 import re
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,9 +39,17 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled.*"  # DCP's note on colocated runs
 
 
-def failures(e: CheckpointException) -> str:
-    """The last line of each rank's error, once each."""
-    return "; ".join(sorted({str(f).strip().splitlines()[-1] for f in e.failures.values()}))
+@contextmanager
+def dcp_errors(error: Callable[[str], Exception]) -> Iterator[None]:
+    """DCP without its note on single-process use, and its failure raised as
+    ``error(the last line of each rank's error)``: a :class:`CheckpointException` is a
+    BaseException, which would pass through ``except Exception``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        try:
+            yield
+        except CheckpointException as e:
+            raise error("; ".join(sorted({str(f).strip().splitlines()[-1] for f in e.failures.values()}))) from None
 
 
 def checkpoints(root: Path) -> list[Path]:
@@ -110,12 +120,8 @@ def write_checkpoint(root: Path, state: dict, keep: int) -> Path:
     then keep the newest ``keep``."""
     final = root / f"step_{state['step']:08d}"
     tmp = staging_dir(final)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        try:
-            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-        except CheckpointException as e:  # a BaseException: would pass through `except Exception`
-            raise OSError(f"writing the checkpoint {final} failed: {failures(e)}") from None
+    with dcp_errors(lambda why: OSError(f"writing the checkpoint {final} failed: {why}")):
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
     publish(tmp, final)
     for old in checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -213,14 +219,9 @@ def load_checkpoint(
     group=None,
 ) -> int:
     """Restore in place; returns the step the checkpoint was taken after."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "step": 0}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        try:
-            dcp.load(state, checkpoint_id=str(path), process_group=group)
-        except CheckpointException as e:  # a BaseException: would pass through `except Exception`
-            raise UnreadableCheckpoint(f"{path}: {failures(e)}") from None
+    state = state_of(model, optimizer, scheduler, 0)
+    with dcp_errors(lambda why: UnreadableCheckpoint(f"{path}: {why}")):
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["step"])
