@@ -101,11 +101,12 @@ def _tensors(state) -> list[torch.Tensor]:
 
 def _to_host(state, into):
     """``state`` with every tensor copied to host memory, into the matching buffer of
-    ``into`` where it has one of the same shape and dtype."""
+    ``into`` where it has one of the same shape and dtype, else into a new pageable one."""
     if isinstance(state, torch.Tensor):
         fits = isinstance(into, torch.Tensor) and into.shape == state.shape and into.dtype == state.dtype
-        buffer = into if fits else torch.empty(state.shape, dtype=state.dtype, pin_memory=state.is_cuda)
-        return buffer.copy_(state.detach(), non_blocking=state.is_cuda)
+        if not fits:  # pageable: pinning costs more than one copy saves (a save before prepare())
+            return state.detach().to("cpu", copy=True)
+        return into.copy_(state.detach(), non_blocking=into.is_pinned())
     if isinstance(state, dict):
         into = into if isinstance(into, dict) else {}
         return {k: _to_host(v, into.get(k)) for k, v in state.items()}
