@@ -32,7 +32,7 @@ from dflash.model.drafter import (
     check_layer_types,
 )
 from dflash.model.target import PrefillOutput, Target, TargetSource
-from dflash.run.checkpoint import resume_candidates
+from dflash.run.checkpoint import CheckpointMismatch, resume_candidates
 from dflash.run.config import target_source
 from dflash.run.metrics import MetricsLogger
 from dflash.run.plan import Plan, resolve_plan
@@ -240,6 +240,8 @@ def resume_step(settings: RunSettings, trainer: DrafterTrainer, group=None) -> i
     for i, path in enumerate(candidates):
         try:
             step = trainer.restore(path, group)
+        except CheckpointMismatch:
+            raise  # an older checkpoint of the same run is of the same other drafter
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back alike
             if i + 1 == len(candidates):
                 raise RuntimeError(

@@ -14,6 +14,8 @@ copy to disk while the next steps train; the thread does file I/O only.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import re
 import shutil
@@ -34,6 +36,7 @@ from dflash.files import publish, staging_dir
 log = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+ARCHITECTURE = "drafter.json"  # beside DCP's files: the drafter config the state belongs to
 
 
 SINGLE_PROCESS_WARNING = ".*torch.distributed is disabled.*"  # DCP's note on colocated runs
@@ -116,13 +119,39 @@ def _to_host(state, into):
     return state
 
 
-def write_checkpoint(root: Path, state: dict, keep: int) -> Path:
+def architecture(model: torch.nn.Module) -> dict | None:
+    """The drafter config as plain values, or ``None`` for a model without one."""
+    config = getattr(model, "config", None)
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint of another drafter: same parameter names, another architecture."""
+
+
+def check_architecture(path: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint written for another drafter config. Parameters alone do not
+    tell: a layer that turned from full to sliding attention keeps every weight."""
+    written, mine = path / ARCHITECTURE, architecture(model)
+    if mine is None or not written.is_file():
+        return
+    theirs = json.loads(written.read_text())
+    differ = {k: (theirs.get(k), v) for k, v in json.loads(json.dumps(mine)).items() if theirs.get(k) != v}
+    if differ:
+        said = "; ".join(f"drafter {k}: {a} there, {b} here" for k, (a, b) in sorted(differ.items()))
+        raise CheckpointMismatch(f"{path} is a checkpoint of another drafter ({said}); use the config it was "
+                                 "trained with, or resume=never to start over")
+
+
+def write_checkpoint(root: Path, state: dict, keep: int, drafter: dict | None = None) -> Path:
     """Write a host snapshot as ``step_<step>`` under ``root`` (temp name, then rename),
-    then keep the newest ``keep``."""
+    with the ``drafter`` config it belongs to, then keep the newest ``keep``."""
     final = root / f"step_{state['step']:08d}"
     tmp = staging_dir(final)
     with dcp_errors(lambda why: OSError(f"writing the checkpoint {final} failed: {why}")):
         dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+    if drafter is not None:
+        (tmp / ARCHITECTURE).write_text(json.dumps(drafter, indent=1, sort_keys=True))
     publish(tmp, final)
     for old in checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -154,7 +183,7 @@ def save_checkpoint(
     once the checkpoint is on disk."""
     final = root / f"step_{step:08d}"
     if writes(group):
-        write_checkpoint(root, snapshot(state_of(model, optimizer, scheduler, step)), keep)
+        write_checkpoint(root, snapshot(state_of(model, optimizer, scheduler, step)), keep, architecture(model))
     if group is not None:
         barrier(group)
     return final
@@ -187,7 +216,7 @@ class CheckpointWriter:
         if self.allocating is not None:
             self.buffers, self.allocating = self.allocating.result(), None
         self.buffers = snapshot(state_of(model, optimizer, scheduler, step), self.buffers)
-        self.pending = self.pool.submit(write_checkpoint, self.root, self.buffers, self.keep)
+        self.pending = self.pool.submit(write_checkpoint, self.root, self.buffers, self.keep, architecture(model))
 
     def wait(self) -> None:
         """Until the write in flight is on disk; re-raises its error."""
@@ -220,6 +249,7 @@ def load_checkpoint(
     group=None,
 ) -> int:
     """Restore in place; returns the step the checkpoint was taken after."""
+    check_architecture(path, model)
     state = state_of(model, optimizer, scheduler, 0)
     with dcp_errors(lambda why: UnreadableCheckpoint(f"{path}: {why}")):
         dcp.load(state, checkpoint_id=str(path), process_group=group)

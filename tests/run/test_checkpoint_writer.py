@@ -1,14 +1,23 @@
 """The background checkpoint writer: a step waits only for the copy to host memory, the
-checkpoint holds the state of its step whatever trains after it, and a failed write is
-raised, not lost."""
+checkpoint holds the state of its step whatever trains after it, a failed write is
+raised, not lost; and a checkpoint of another drafter is refused."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_drafter
 from torch import nn
 
-from dflash.run.checkpoint import CheckpointWriter, checkpoints, load_checkpoint
+from dflash.model.drafter import DFlashDrafter
+from dflash.run.checkpoint import (
+    CheckpointMismatch,
+    CheckpointWriter,
+    checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def trainee(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -55,3 +64,19 @@ def test_a_failed_write_is_raised_at_the_next_save(tmp_path: Path):
     with pytest.raises(OSError, match="writing the checkpoint .*step_00000001 failed"):
         writer.save(2, model, optimizer, scheduler)
     writer.abandon()
+
+
+def test_a_checkpoint_of_another_drafter_is_refused_not_resumed(tmp_path: Path):
+    """A layer turned from full to sliding attention keeps every parameter name and shape,
+    so DCP would load the weights; the drafter config written beside them refuses it."""
+    drafter = tiny_drafter()
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    path = save_checkpoint(tmp_path, 3, drafter, optimizer, scheduler, keep=1)
+    same = tiny_drafter(seed=1)
+    same_optimizer = torch.optim.AdamW(same.parameters())
+    assert load_checkpoint(path, same, same_optimizer, torch.optim.lr_scheduler.LambdaLR(same_optimizer, lambda s: 1.0)) == 3
+    sliding = DFlashDrafter(replace(drafter.config, layer_types=["full_attention", "sliding_attention"], sliding_window=2))
+    other_optimizer = torch.optim.AdamW(sliding.parameters())
+    with pytest.raises(CheckpointMismatch, match=r"layer_types: None there, \['full_attention', 'sliding_attention'\] here"):
+        load_checkpoint(path, sliding, other_optimizer, torch.optim.lr_scheduler.LambdaLR(other_optimizer, lambda s: 1.0))
