@@ -33,9 +33,10 @@ from dflash.run.config import config_dir
 from dflash.run.estimate import (
     PlanError,
     check_fits,
-    estimate,
     format_estimate,
     format_options,
+    layout_options,
+    of_layout,
     resolve_targets,
 )
 from dflash.run.metrics import require_wandb
@@ -58,15 +59,16 @@ def dry_run(cfg: DictConfig, job) -> dict:
     """Print the plan and return, touching neither weights nor the output directory."""
     world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
     try:
-        targets = resolve_targets(job, world)
-        cost = estimate(job, world, targets)
+        options = layout_options(job, world)
+        targets = resolve_targets(job, options)
+        cost = of_layout(job, options, targets)
         check_fits(cost)
     except (TopologyError, PlanError) as e:
         raise SystemExit(f"dry run: the plan is refused: {e}") from None
     if int(os.environ.get("RANK", 0)) == 0:
         print(format_estimate(job, cost), flush=True)
         if world > 1:
-            print(format_options(job, world, targets), flush=True)
+            print(format_options(options, targets), flush=True)
     return {"dry_run": True}
 
 
@@ -79,13 +81,14 @@ def train(cfg: DictConfig) -> dict:
     if cfg.dry_run:
         return dry_run(cfg, job)
     require_wandb(cfg.wandb.mode)
-    topo = build_topology(job, resolve_targets(job, int(os.environ.get("WORLD_SIZE", 1))))
+    options = layout_options(job, int(os.environ.get("WORLD_SIZE", 1)))
+    topo = build_topology(job, resolve_targets(job, options))
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:
-        cost = estimate(job, topo.world_size if topo else 1, topo.num_targets if topo else 0)
+        cost = of_layout(job, options, topo.num_targets if topo else 0)
         log.info("%s", format_estimate(job, cost))
         if topo:
-            log.info("%s", format_options(job, topo.world_size, topo.num_targets))
+            log.info("%s", format_options(options, topo.num_targets))
         try:
             check_fits(cost)
         except PlanError as e:

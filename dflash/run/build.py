@@ -41,6 +41,7 @@ from dflash.run.step import DrafterTrainer, build_optimizer, cosine_schedule
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Job:
     """What this process resolved from the config before building anything. ``cfg`` is

@@ -220,8 +220,9 @@ def fits(e: Estimate) -> bool:
 
 
 def layout_options(job: Job, world_size: int) -> list[Estimate]:
-    """Colocated data-parallel and every split of ``world_size`` ranks that the batch
-    allows; raises the colocated layout's :class:`TopologyError` if it allows none."""
+    """Colocated (data-parallel) and every split of ``world_size`` ranks that the batch
+    allows, estimated on one pair of meta-device models; raises the colocated layout's
+    :class:`TopologyError` if the batch allows none."""
     models = meta_models(job)
     options = []
     for targets in range(world_size):
@@ -248,10 +249,16 @@ def rank_gib(e: Estimate) -> float:
     return max(sum(e.drafter_gib.values()), sum(e.target_gib.values()))
 
 
-def format_options(job: Job, world_size: int, chosen: int) -> str:
-    """Every layout of ``world_size`` ranks side by side, the fuller rank's memory and the
-    predicted rate per GPU; ``chosen`` target ranks is this run's."""
-    options = layout_options(job, world_size)
+def of_layout(job: Job, options: list[Estimate], targets: int) -> Estimate:
+    """The estimate of the layout with ``targets`` target ranks; a split the batch does not
+    allow raises its :class:`TopologyError`, with the key to change."""
+    found = [e for e in options if e.num_targets == targets]
+    return found[0] if found else estimate(job, options[0].world_size, targets)
+
+
+def format_options(options: list[Estimate], chosen: int) -> str:
+    """The layouts side by side, the fuller rank's memory and the predicted rate per GPU;
+    ``chosen`` target ranks is this run's."""
     lines = ["  layouts (topology.mode=auto with topology.target_ranks=auto takes the fastest that fits):"]
     for e in options:
         name = "colocated data-parallel" if e.colocated else f"{e.num_targets} target / {e.world_size - e.num_targets} drafter"
@@ -261,11 +268,12 @@ def format_options(job: Job, world_size: int, chosen: int) -> str:
     return "\n".join(lines)
 
 
-def resolve_targets(job: Job, world_size: int) -> int:
-    """Target ranks for ``world_size`` processes; 0 is colocated (one process, or
-    data-parallel). ``topology.mode=auto`` with ``target_ranks=auto`` takes the layout the
-    estimate predicts fastest among those that fit."""
-    topology = job.cfg.topology
+def resolve_targets(job: Job, options: list[Estimate]) -> int:
+    """Target ranks for the world size of ``options`` (:func:`layout_options`); 0 is
+    colocated (one process, or data-parallel). ``topology.mode=auto`` with
+    ``target_ranks=auto`` takes the layout the estimate predicts fastest among those that
+    fit."""
+    topology, world_size = job.cfg.topology, options[0].world_size
     if topology.mode not in LAYOUT_MODES:
         raise TopologyError(f"topology.mode={topology.mode} is not one of {', '.join(LAYOUT_MODES)}")
     if world_size == 1 or topology.mode == "colocated":
@@ -274,7 +282,7 @@ def resolve_targets(job: Job, world_size: int) -> int:
         return int(topology.target_ranks)
     if topology.mode == "disaggregated":
         return auto_split(job, world_size)
-    return choose_layout(layout_options(job, world_size)).num_targets
+    return choose_layout(options).num_targets
 
 
 def check_fits(e: Estimate) -> None:

@@ -1,6 +1,6 @@
 """Metrics: ``metrics.jsonl`` in the output directory, W&B, and a progress line.
 
-Only the metrics rank writes (the first drafter rank; colocated: the only one).
+Only the metrics rank writes (the first drafter rank; colocated: rank 0).
 Per-slot accuracies ``acc_k`` and ``tau_sim`` are derived here from the step's
 sums so every sink sees the same numbers.
 """
@@ -74,7 +74,7 @@ class MetricsLogger:
 
     def begin(self) -> None:
         """Start the clock of samples/s and the ETA when training starts: the logger is
-        opened before the compile warmup (:func:`dflash.roles.open_metrics`)."""
+        opened before the compile warmup (:func:`dflash.run.build.build_drafter_side`)."""
         self._last = self._began = time.perf_counter()
 
     def _keep_until(self, step: int) -> None:

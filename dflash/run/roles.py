@@ -115,14 +115,14 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
     startup.mark("the target and the data")
     if first:
         check_evaluation(settings, side)
-    steps = plan.total_steps(len(side.dataset))
+    steps, data = plan.total_steps(len(side.dataset)), side.dataset.summary()
     if proto:
-        steps = proto.agree_steps(steps, side.dataset.summary())
+        steps = proto.agree_steps(steps, data)
     drafting = build_drafter_side(job, side.target.head(), steps, proto, logs=first)
     startup.mark("the drafter and its checkpoint")
     trainer = drafting.trainer
     if first:
-        drafting.metrics.log_data(side.dataset.summary())
+        drafting.metrics.log_data(data)
 
     def warm() -> None:
         if job.compile.target:

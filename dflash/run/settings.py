@@ -55,7 +55,7 @@ class RunSettings:
     max_in_flight: int  # bundles a target rank has sent and not seen received
     target_name: str  # for the evaluation report
     wandb: dict
-    config: dict  # the whole resolved config, for W&B and config.yaml
+    config: dict  # the whole resolved config, for W&B
     export_eval: ExportEval | None
     live: LiveEvalSettings | None
 
