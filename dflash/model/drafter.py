@@ -9,7 +9,9 @@ embedding and no LM head: those are the target's, frozen, and live in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.model.linear import Linear
+from dflash.model.selector import CandidateSelector, GroupedCausalConv
 
 
 def drafted(t: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -77,6 +80,37 @@ def check_layer_types(layer_types, num_layers: int, sliding_window) -> None:
 
 
 @dataclass
+class DFlash2Config:
+    """The DFlash2 additions (``drafter.variant=dflash2``); the defaults are the released
+    drafters' (z-lab/incoai ``Qwen3.8-27B-DFlash2``): convolutions of 2 taps with one
+    kernel per 16 channels, a rank-256 selector over the top 16 candidates."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"drafter.{name} must be an integer >= 1, not {value!r}")
+
+
+VARIANTS = ("dflash", "dflash2")
+
+
+def variant_config(variant: str, fields: Mapping) -> DFlash2Config | None:
+    """``DrafterConfig.dflash2`` for ``drafter.variant``: ``None`` for DFlash, else the
+    DFlash2 fields (``conv_kernel_size`` ...) found in ``fields``, defaults for the rest."""
+    if variant not in VARIANTS:
+        raise ValueError(f"drafter.variant={variant!r}; choose one of {', '.join(VARIANTS)}")
+    if variant == "dflash":
+        return None
+    return DFlash2Config(**{f.name: fields[f.name] for f in dataclasses.fields(DFlash2Config)
+                            if fields.get(f.name) is not None})
+
+
+@dataclass
 class DrafterConfig:
     """Shape of a drafter; everything but ``num_layers`` (and the attention of each
     layer, ``layer_types`` and ``sliding_window``) comes from the target.
@@ -85,6 +119,10 @@ class DrafterConfig:
     is stored as ``None``); a ``"sliding_attention"`` layer's query at position ``p``
     sees the keys at positions ``(p - sliding_window, p]``, context and block alike
     (docs/DESIGN.md section 1).
+
+    ``dflash2`` is ``None`` for a DFlash drafter; a :class:`DFlash2Config` adds the
+    convolutions and the candidate selector (docs/DESIGN.md, DFlash2). Kept as one
+    optional field so that a DFlash drafter's config reads as before.
     """
 
     hidden_size: int
@@ -103,13 +141,23 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    dflash2: DFlash2Config | None = None
 
     def __post_init__(self) -> None:
         check_layer_types(self.layer_types, self.num_layers, self.sliding_window)
+        if isinstance(self.dflash2, dict):
+            self.dflash2 = DFlash2Config(**self.dflash2)
+        if self.dflash2 is not None and self.dflash2.conv_kernel_size > self.block_size:
+            raise ValueError(f"drafter.conv_kernel_size={self.dflash2.conv_kernel_size} exceeds the block "
+                             f"size {self.block_size}: its taps would reach past the block")
         if self.layer_types is not None:
             self.layer_types = list(self.layer_types) if SLIDING in self.layer_types else None
         if self.sliding_window is not None:
             self.sliding_window = int(self.sliding_window)
+
+    @property
+    def variant(self) -> str:
+        return "dflash" if self.dflash2 is None else "dflash2"
 
     @property
     def attention_types(self) -> list[str]:
@@ -271,12 +319,38 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class ConvDecoderLayer(DecoderLayer):
+    """A DFlash2 layer: each sublayer's input and output pass through a block-causal
+    grouped convolution (:class:`GroupedCausalConv`), inside the residual branch."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__(cfg)
+        conv = cfg.dflash2
+        self.attention_conv = GroupedCausalConv(cfg.hidden_size, conv.conv_kernel_size, conv.conv_group_size)
+        self.mlp_conv = GroupedCausalConv(cfg.hidden_size, conv.conv_kernel_size, conv.conv_group_size)
+
+    def forward(self, x, ctx, rope_block, rope_ctx, mask: Mask, block_size: int | None = None, *,
+                block: int) -> torch.Tensor:
+        """``block`` is the length of each block in ``x``. With ``block_size`` the drafted
+        slots are cut out after the MLP, not before: slot 1's convolution reads slot 0."""
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x), block)
+        x = x + self.attention_conv.finish(self.self_attn(h, ctx, rope_block, rope_ctx, mask), delta, block)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
+        x = x + self.mlp_conv.finish(self.mlp(h), delta, block)
+        return x if block_size is None else drafted(x, block_size)
+
+
 class DFlashDrafter(nn.Module):
     """Block drafter: block token embeddings in, final-normed hidden states out.
 
     ``ctx_features`` are the concatenated target hidden states ``[b, S, n*H]`` of
     the chosen target layers, fused once by ``fc`` + ``hidden_norm`` and injected
     as extra keys/values into every layer (queries come only from the block).
+
+    A DFlash2 drafter (``cfg.dflash2``) has :class:`ConvDecoderLayer` layers and a
+    ``candidate_selector``; its forward is the same, and the selector runs on the
+    hidden states it returns (training: :mod:`dflash.objective.selector`, decoding:
+    :mod:`dflash.decode.selector`).
     """
 
     def __init__(self, cfg: DrafterConfig):
@@ -285,17 +359,28 @@ class DFlashDrafter(nn.Module):
         n = len(cfg.target_layer_ids)
         self.fc = Linear(n * cfg.hidden_size, cfg.hidden_size)
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        layer = DecoderLayer if cfg.dflash2 is None else ConvDecoderLayer
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        if cfg.dflash2 is not None:
+            self.candidate_selector = CandidateSelector(
+                cfg.hidden_size, cfg.vocab_size, cfg.dflash2.selector_rank, cfg.dflash2.selector_top_k)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
+        """Linear weights N(0, std), norms one; then the DFlash2 parts as their modules
+        start them: the convolutions as the identity, the selector adding nothing."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():
+            if isinstance(module, GroupedCausalConv):
+                module.reset_parameters()
+            elif isinstance(module, CandidateSelector):
+                module.reset_parameters(std)
 
     def layer_masks(self, mask: Mask | dict[str, Mask], ctx_positions: torch.Tensor,
                     block_positions: torch.Tensor) -> list[Mask]:
@@ -328,16 +413,21 @@ class DFlashDrafter(nn.Module):
         Slot 0 holds the anchor token, which is given and never predicted. Its row still
         serves as a key and value in every layer's attention, but after the last
         attention nothing reads it: training drops it there and skips 1/B of the last
-        layer's MLP."""
+        layer's MLP (a DFlash2 drafter after it: its convolutions read slot 0).
+
+        Blocks are ``config.block_size`` long when a training mask is given; without one
+        (inference) ``block_embeds`` is a single block of any length."""
         ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
         rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
         rope_block = self.rotary(block_positions, block_embeds.dtype)
         masks = self.layer_masks(mask, ctx_positions, block_positions)
         x = block_embeds
         last = len(self.layers) - 1
+        conv = {} if self.config.dflash2 is None else {
+            "block": block_embeds.shape[1] if mask is None else self.config.block_size}
         for i, layer in enumerate(self.layers):
             cut = self.config.block_size if drafted_only and i == last else None
-            x = layer(x, ctx, rope_block, rope_ctx, masks[i], cut)
+            x = layer(x, ctx, rope_block, rope_ctx, masks[i], cut, **conv)
         return self.norm(x)
 
 
