@@ -1,0 +1,110 @@
+"""The DFlash2 selector's training loss, and its weight over the run.
+
+Each drafted slot's selector is taught to pick the label among the LM head's top-k
+candidates of that slot, given the label of the slot before (teacher forcing; slot 1's
+predecessor is the anchor token): a cross-entropy over the k candidate scores
+``logit(c) + transition(h, predecessor, c)`` (:class:`dflash.model.selector.CandidateSelector`).
+
+The candidates are the strict unary top-k, the set decoding walks. A slot whose label
+is not among them adds nothing: the selector could not have chosen it, so the miss is
+the unary head's, and the decay-weighted CE already teaches that. The selector term
+takes the same decay weights ``w_k`` as the CE and, like it, is returned as a weighted
+**sum**, so the trainer's division by the step's total weight normalises both at once
+(docs/DESIGN.md, DFlash2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dflash.model.drafter import drafted
+from dflash.model.selector import CandidateSelector
+
+
+def predecessors(block_labels: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The token before each drafted slot, ``[b, n*(B-1)]``, from the same-position labels
+    of every slot ``[b, n*B]`` (slot 0's label is the anchor token)."""
+    blocks = block_labels.unflatten(1, (-1, block_size))
+    return drafted(torch.cat([blocks[:, :, :1], blocks[:, :, :-1]], dim=2).flatten(1, 2), block_size)
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or wider if it already is: bf16 logits would round the scores."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+class _TopKLogits(torch.autograd.Function):
+    """The top-k logits of ``hidden @ head_weight.T`` and their ids, differentiable in
+    ``hidden``. The full ``[rows, V]`` logits live only inside the forward; the backward
+    rebuilds the gradient from the k head rows of each row, so autograd keeps the ids."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, k: int):
+        values, ids = widened(hidden @ head_weight.t()).topk(k, dim=-1)
+        ctx.save_for_backward(head_weight, ids)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(ids)
+        return values, ids
+
+    @staticmethod
+    def backward(ctx, grad_values: torch.Tensor, _grad_ids):
+        head_weight, ids = ctx.saved_tensors
+        grad = torch.einsum("nk,nkh->nh", grad_values.to(head_weight.dtype), head_weight[ids])
+        return grad.to(ctx.hidden_dtype), None, None
+
+
+@dataclass
+class SelectorLoss:
+    loss_sum: torch.Tensor  # scalar, sum_i w_i * [label_i in top-k] * CE_i
+    covered: torch.Tensor  # scalar, how many weighted slots have their label among the candidates
+    correct: torch.Tensor  # scalar, how many of those the selector ranks first (teacher-forced)
+
+
+def selector_loss(
+    selector: CandidateSelector,
+    hidden: torch.Tensor,
+    head_weight: torch.Tensor,
+    labels: torch.Tensor,
+    predecessor_ids: torch.Tensor,
+    weights: torch.Tensor,
+    *,
+    stop_gradient: bool = False,
+    chunk_size: int = 1024,
+) -> SelectorLoss:
+    """The selector loss of drafted slots with final-normed ``hidden [rows, H]``, labels,
+    predecessors and decay ``weights`` ``[rows]``, through the frozen ``head_weight [V, H]``.
+
+    ``stop_gradient`` keeps this term out of the drafter's layers: only the selector's
+    own parameters learn from it. Rows go through the head ``chunk_size`` at a time."""
+    total = widened(hidden.new_zeros(()))
+    covered = correct = total.detach().clone()
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h = hidden[rows].detach() if stop_gradient else hidden[rows]
+        unary, candidates = _TopKLogits.apply(h, head_weight, selector.top_k)
+        scores = unary + widened(selector.transition(h, predecessor_ids[rows], candidates))
+        hit = candidates == labels[rows, None]
+        target = hit.int().argmax(-1)
+        w = torch.where(hit.any(-1), widened(weights[rows]), 0.0)
+        total = total + (w * F.cross_entropy(scores, target, reduction="none")).sum()
+        counted = w > 0
+        covered = covered + counted.sum()
+        correct = correct + (counted & (scores.detach().argmax(-1) == target)).sum()
+    return SelectorLoss(total, covered, correct)
+
+
+def selector_weight(step: int, total_steps: int, alpha: float, warmup: float, ramp: float) -> float:
+    """The selector term's weight at optimizer step ``step`` (0-based) of ``total_steps``:
+    0 for the first ``warmup * total_steps`` steps, then rising linearly over the next
+    ``ramp * total_steps`` to ``alpha``, which it keeps. ``warmup`` and ``ramp`` are
+    fractions of the run, as SpecForge's ``dflash2_selector_warmup_ratio`` and
+    ``dflash2_selector_ramp_ratio`` are."""
+    warmup_steps, ramp_steps = int(total_steps * warmup), int(total_steps * ramp)
+    if step < warmup_steps:
+        return 0.0
+    if ramp_steps <= 0:
+        return alpha
+    return alpha * min((step - warmup_steps + 1) / ramp_steps, 1.0)
