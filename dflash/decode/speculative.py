@@ -4,7 +4,8 @@ Batch size 1, the way a drafter is served: the target prefills the prompt into
 a KV cache; then each cycle the drafter fills the block ``[last, MASK x (B-1)]``
 in one forward, the target verifies it in one forward, the longest accepted
 prefix plus the target's own next token (the bonus) is kept, and the cache is
-cropped back. Greedy decoding must reproduce plain greedy decoding token for
+rolled back to the accepted prefix (:func:`snapshot`, :func:`roll_back`). Greedy
+decoding must reproduce plain greedy decoding token for
 token (``lossless``); the headline metric is ``tau``, the mean acceptance length
 (accepted drafts + 1 per cycle), averaged per response and then over responses
 as z-lab reports it.
@@ -40,6 +41,7 @@ export directory)::
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
@@ -54,6 +56,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
 
 from dflash.data import template
 from dflash.data.records import BadRecord, conversation_turns, iter_records, parse_turn
@@ -154,6 +157,31 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -
     return tokens[: template.end_of_reply(tokens, eos_ids) or len(tokens)][:max_new_tokens]
 
 
+def croppable(cache: DynamicCache) -> bool:
+    """Whether cutting positions off the end takes the cache back to any earlier length:
+    only when every layer keeps each position's keys and values. A sliding-window layer
+    keeps the last window only, and a linear-attention layer one recurrent state that
+    every token updates, so neither can give back the state before a rejected draft."""
+    return all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
+def snapshot(cache: DynamicCache) -> list[object | None]:
+    """The cache at a block's start, for :func:`roll_back`: ``None`` for a layer that
+    cropping puts back, a copy of every other (a sliding window or a recurrent state,
+    small and of fixed size)."""
+    return [None if type(layer) is DynamicLayer else copy.deepcopy(layer) for layer in cache.layers]
+
+
+def roll_back(cache: DynamicCache, saved: list[object | None], dropped: int) -> None:
+    """Back to the block's start: the last ``dropped`` positions cut off the layers that
+    keep every position, the saved copies in place of the others."""
+    for i, layer in enumerate(saved):
+        if layer is None:
+            cache.layers[i].crop(-dropped)  # negative = drop that many; 4.57 and 5.x agree on this spelling
+        else:
+            cache.layers[i] = layer
+
+
 def decoding_attention() -> AbstractContextManager[None]:
     """The attention kernels decoding may use: every SDPA backend but cuDNN's.
 
@@ -205,12 +233,18 @@ def speculative_steps(
     sliding layers mask the rest of theirs. The drafter is rerun over its whole context
     each cycle (no drafter cache), which is slower but leaves no cache bookkeeping to
     get wrong.
+
+    After a rejection the target cache goes back to the accepted prefix: cropped when
+    every layer keeps all positions (:func:`croppable`); otherwise (sliding windows,
+    linear attention) put back as it was at the block's start and fed the accepted
+    tokens again, one more target forward of ``n + 1`` tokens in that cycle.
     """
     cfg = drafter.config
     block_size = block_size or cfg.block_size
     device = prompt_ids.device
     cache = DynamicCache(config=target_model.config)
     out = with_cache(target_model, cache, input_ids=prompt_ids, output_hidden_states=True, logits_to_keep=1)
+    crop = croppable(cache)
     features, first = window(context_features(out.hidden_states, cfg.target_layer_ids), 0, cfg.context_window)
     new = sample(out.logits[0, -1:], temperature, generator).tolist()
     tokens, lengths = list(new), []
@@ -228,10 +262,14 @@ def speculative_steps(
         draft_logits = head.logits(hidden[0, 1:]).float()
         drafts = sample(draft_logits, temperature, generator)
         block[0, 1:] = drafts
+        saved = None if crop else snapshot(cache)
         out = with_cache(target_model, cache, input_ids=block, output_hidden_states=True)
         n, bonus = accept(drafts, draft_logits, out.logits[0].float(), temperature, generator=generator)
-        if n + 1 < block_size:  # negative crop = drop that many; 4.57 and 5.x agree on this spelling
+        if n + 1 < block_size and crop:  # negative crop = drop that many; 4.57 and 5.x agree on this spelling
             cache.crop(-(block_size - n - 1))
+        elif n + 1 < block_size:
+            roll_back(cache, saved, block_size)
+            with_cache(target_model, cache, input_ids=block[:, : n + 1], logits_to_keep=1)
         features = torch.cat([features, context_features(out.hidden_states, cfg.target_layer_ids)[:, : n + 1]], dim=1)
         features, first = window(features, first, cfg.context_window)
         new = drafts[:n].tolist() + [bonus]

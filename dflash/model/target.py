@@ -209,6 +209,26 @@ class Target:
         return PrefillOutput(features, values, indices)
 
 
+def attention_implementation(config: PretrainedConfig) -> str:
+    """The attention a target runs: SDPA where its family supports it, else eager.
+
+    gpt-oss has no SDPA path in transformers (its attention sinks need eager, flex or
+    its own kernels), so it runs eager, which is exact and slower. A multi-head latent
+    attention config (DeepSeek-V3) whose ``num_key_value_heads`` differs from
+    ``num_attention_heads`` is refused: its keys have one head per query head, so HF
+    repeats them into a shape that fails at the first masked call (decoding), after a
+    prefill that happened to run."""
+    text = config.get_text_config()
+    heads, kv_heads = getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None)
+    if getattr(text, "kv_lora_rank", None) and kv_heads not in (None, heads):
+        raise ValueError(
+            f"{text.model_type} targets use multi-head latent attention, whose keys have one head per query head: "
+            f"num_key_value_heads={kv_heads} must equal num_attention_heads={heads} (as in the released configs)"
+        )
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
 def _param_name(model: nn.Module, param: torch.Tensor) -> str:
     return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is param)
 
@@ -232,7 +252,8 @@ def random_target(config: PretrainedConfig, device: torch.device, dtype: torch.d
     device type; the embedding and LM head come from :func:`random_head_weights`."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 attn_implementation=attention_implementation(config))
     embed, head = random_head_weights(config, seed, device)
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(embed)
@@ -304,7 +325,7 @@ class TargetSource:
             dtype=dtype,
             trust_remote_code=self.trust_remote_code,
             local_files_only=True,
-            attn_implementation="sdpa",
+            attn_implementation=attention_implementation(config),
         ).to(device)
         return model.eval().requires_grad_(False)
 
