@@ -35,14 +35,24 @@ class MicroBatch:
 
     Anchors are drawn on the host where the data is produced: the drafter step
     then needs no host sync, and a target rank can ship them in the bundle.
+
+    A row holds one sample, or with packing several side by side; ``position_ids``
+    restart at 0 where each sample starts (the sample boundaries), and the padding
+    after the last sample continues its count.
     """
 
     input_ids: torch.Tensor  # [b, S]
     loss_mask: torch.Tensor  # [b, S]
-    lengths: torch.Tensor  # [b]
+    lengths: torch.Tensor  # [b] real tokens of each row
     anchors: torch.Tensor  # [b, num_anchors]
     keep: torch.Tensor  # [b, num_anchors] bool: False for slots that could not be filled
     epoch: int
+    position_ids: torch.Tensor | None = None  # [b, S]; None: one sample per row, 0..S-1
+
+    def __post_init__(self) -> None:
+        if self.position_ids is None:
+            rows, width = self.input_ids.shape
+            self.position_ids = torch.arange(width, device=self.input_ids.device).repeat(rows, 1)
 
     def to(self, device: torch.device) -> MicroBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -66,6 +76,7 @@ class Field:
 FIELDS = (
     Field("lengths", "batch", ("b",), torch.int64),
     Field("input_ids", "batch", ("b", "S"), torch.int64),
+    Field("position_ids", "batch", ("b", "S"), torch.int64),
     Field("loss_mask", "batch", ("b", "S"), torch.int64),
     Field("anchors", "batch", ("b", "n"), torch.int64),
     Field("keep", "batch", ("b", "n"), torch.bool),
@@ -100,16 +111,20 @@ def unflatten(tensors: list[torch.Tensor], topk: int, epoch: int) -> tuple[Micro
     return batch, prefill
 
 
-def random_batch(batch: int, seq_len: int, vocab_size: int, spec: AnchorSpec, seed: int = 0) -> MicroBatch:
+def random_batch(batch: int, seq_len: int, vocab_size: int, spec: AnchorSpec, seed: int = 0,
+                 samples_per_row: int = 1) -> MicroBatch:
     """Random tokens at full length, every token a response token: the shapes of
-    real micro-batches without any data (compile warmup, benchmarks)."""
+    real micro-batches without any data (compile warmup, benchmarks). With
+    ``samples_per_row`` > 1, each row is that many samples packed side by side."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab_size, (batch, seq_len), generator=g)
     mask = torch.ones_like(ids)
     drawn = [sample_anchors(mask[r], spec.num_anchors, g) for r in range(batch)]
     anchors = torch.stack([a for a, _ in drawn])
     keep = torch.stack([k for _, k in drawn])
-    return MicroBatch(ids, mask, torch.full((batch,), seq_len), anchors, keep, epoch=0)
+    width = -(-seq_len // samples_per_row)
+    positions = (torch.arange(seq_len) % width).repeat(batch, 1)
+    return MicroBatch(ids, mask, torch.full((batch,), seq_len), anchors, keep, 0, positions)
 
 
 def random_prefill(

@@ -175,21 +175,35 @@ class Dataset:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def lengths(self) -> np.ndarray:
+        """Tokens of every sample, in order."""
+        return np.fromiter((len(s.input_ids) for s in self.samples), dtype=np.int64, count=len(self.samples))
+
     def summary(self, max_problems: int = 100) -> dict:
         """For ``metrics.jsonl``: how many samples train, how many were skipped and why."""
         return {"samples": len(self.samples), "skipped": dict(self.skipped), "problems": self.problems[:max_problems]}
 
 
-def synthetic_dataset(num_samples: int, length: int, vocab_size: int, prompt_fraction: float, *, seed: int
-                      ) -> Dataset:
-    """Random token sequences of ``length`` tokens, the first ``prompt_fraction`` of each
-    without loss: real shapes for throughput runs, with no tokenizer and no files."""
+def synthetic_lengths(num_samples: int, max_len: int, mean_length: int | None, rng: np.random.Generator) -> np.ndarray:
+    """Every sample ``max_len`` tokens, or with ``mean_length`` log-normal lengths (sigma 0.8,
+    the spread of chat and reasoning traces) clipped to ``[16, max_len]``."""
+    if mean_length is None:
+        return np.full(num_samples, max_len)
+    sigma = 0.8
+    drawn = rng.lognormal(np.log(mean_length) - sigma**2 / 2, sigma, num_samples)
+    return np.clip(drawn.round().astype(np.int64), 16, max_len)
+
+
+def synthetic_dataset(num_samples: int, max_len: int, vocab_size: int, prompt_fraction: float, *, seed: int,
+                      mean_length: int | None = None) -> Dataset:
+    """Random token sequences (:func:`synthetic_lengths`), the first ``prompt_fraction`` of
+    each without loss: real shapes for throughput runs, with no tokenizer and no files."""
     rng = np.random.default_rng([seed, 7])
-    prompt = int(length * prompt_fraction)
-    mask = np.r_[np.zeros(prompt, np.int64), np.ones(length - prompt, np.int64)]
-    samples = [
-        Sample(rng.integers(0, vocab_size, length), mask, f"synthetic:{i}") for i in range(num_samples)
-    ]
+    samples = []
+    for i, length in enumerate(synthetic_lengths(num_samples, max_len, mean_length, rng).tolist()):
+        prompt = int(length * prompt_fraction)
+        mask = np.r_[np.zeros(prompt, np.int64), np.ones(length - prompt, np.int64)]
+        samples.append(Sample(rng.integers(0, vocab_size, length), mask, f"synthetic:{i}"))
     return Dataset(samples)
 
 

@@ -182,22 +182,31 @@ class Target:
                     layer.forward = forward
 
     @torch.no_grad()
-    def prefill(self, input_ids: torch.Tensor, topk: int = 0) -> PrefillOutput:
+    def prefill(self, input_ids: torch.Tensor, topk: int = 0, position_ids: torch.Tensor | None = None) -> PrefillOutput:
         """Features of a right-padded batch. No attention mask is passed: under the
         causal mask a real token never sees the padding after it, so its hidden
         state is exact, and the plain causal path is the fast one (flash
-        attention). What lands on padded positions is never read by the drafter."""
+        attention). What lands on padded positions is never read by the drafter.
+
+        ``position_ids`` (restarting at 0 where each sample starts) mark a packed
+        batch: HF then builds a mask in which each sample attends only to itself
+        (from the position ids, for every attention implementation it has), and
+        RoPE counts from each sample's start. :meth:`packing_error` checks that the
+        model honours them."""
         self._capturing = True
+        masks = self._masks if position_ids is None else None
         try:
             if topk:
-                out = self.model(input_ids=input_ids, attention_mask=self._masks, use_cache=False, logits_to_keep=0)
+                out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False,
+                                 logits_to_keep=0)
                 values, indices = out.logits.float().topk(topk, dim=-1)
             else:
                 # Without the logits, nothing after the last captured layer is needed: for
                 # Qwen3-8B (ids up to 33 of 36) two layers and the final norm are skipped.
                 self._stop_after = max(self.layer_ids)
                 try:
-                    decoder(self.model)(input_ids=input_ids, attention_mask=self._masks, use_cache=False)
+                    decoder(self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=masks,
+                                        use_cache=False)
                 except _AllCaptured:
                     pass
                 values = indices = None
@@ -207,6 +216,25 @@ class Target:
             self._stop_after = None
             self._captured.clear()
         return PrefillOutput(features, values, indices)
+
+    def packing_error(self, lengths: tuple[int, ...] = (24, 40, 16)) -> float:
+        """How far the features of random samples packed into one row are from those of
+        each sample alone: the largest relative norm of the difference. Near 0 (rounding)
+        when the model keeps packed samples apart; of order 1 when they see each other
+        (recurrent or linear-attention layers, a model that ignores position ids)."""
+        device = next(self.model.parameters()).device
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        g = torch.Generator().manual_seed(0)
+        samples = [torch.randint(0, vocab, (1, n), generator=g).to(device) for n in lengths]
+        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+        packed = self.prefill(torch.cat(samples, dim=1), position_ids=positions).features[0].float()
+        error, at = 0.0, 0
+        for ids in samples:
+            alone = self.prefill(ids).features[0].float()
+            here = packed[at : at + ids.shape[1]]
+            error = max(error, float((here - alone).norm() / alone.norm().clamp(min=1e-12)))
+            at += ids.shape[1]
+        return error
 
 
 def attention_implementation(config: PretrainedConfig) -> str:

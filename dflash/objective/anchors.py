@@ -30,23 +30,30 @@ def sample_generator(seed: int, epoch: int, sample_index: int) -> torch.Generato
     return torch.Generator().manual_seed(int(state[0]) << 32 | int(state[1]))
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchors uniformly among response tokens whose next token is a response token.
+def anchor_keys(loss_mask: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A uniform random key per position of one unpadded sample ``[L]``, 2.0 where no
+    anchor may sit: anchors go to response tokens whose next token is a response token.
 
     A block may run past the end of the reply or of the sequence: ``make_blocks``
     gives those slots no loss. Requiring room for a whole block instead would never
     anchor in a reply's last ``B - 1`` tokens, so its end (the end-of-turn token
     above all) would be taught only in late, lightly weighted slots, while at
-    serving time the drafter drafts from anchors right there.
-
-    ``loss_mask`` is one unpadded sequence ``[L]``. Returns ``anchors [n]`` sorted
-    ascending (unfilled slots are 0 and sit at the end) and ``keep [n]``.
-    """
-    length = loss_mask.shape[0]
+    serving time the drafter drafts from anchors right there. A sample's last token
+    has no next token of its own, so it is never an anchor, packed or not."""
     supervised = loss_mask.bool()
     valid = supervised & torch.cat([supervised[1:], supervised.new_zeros(1)])
-    keys = torch.rand(length, generator=generator)
-    keys = torch.where(valid, keys, 2.0)
+    return torch.where(valid, torch.rand(loss_mask.shape[0], generator=generator), 2.0)
+
+
+def choose_anchors(keys: torch.Tensor, num_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``num_anchors`` positions of the smallest keys below 1: ``anchors [n]`` sorted
+    ascending (unfilled slots are 0 and sit at the end) and ``keep [n]``.
+
+    ``keys`` covers one row: a sample, or the samples of a packed row side by side, each
+    keyed by its own generator. Taking the smallest keys of the row draws its anchors
+    uniformly among all its valid positions, and a sample's share depends only on the
+    samples it is packed with, never on the rank or the micro-batch split."""
+    length = keys.shape[0]
     if length < num_anchors:
         keys = torch.cat([keys, torch.full((num_anchors - length,), 3.0)])
     chosen = keys.topk(num_anchors, largest=False).indices
@@ -56,13 +63,26 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
     return anchors[order], keep[order]
 
 
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors of one unpadded sample ``[L]`` alone in its row (:func:`anchor_keys`,
+    :func:`choose_anchors`)."""
+    return choose_anchors(anchor_keys(loss_mask, generator), num_anchors)
+
+
 @dataclass
 class Blocks:
     ids: torch.Tensor  # [b, n*B] anchor token then MASK ids
-    positions: torch.Tensor  # [b, n*B] absolute positions anchor..anchor+B-1
+    positions: torch.Tensor  # [b, n*B] RoPE positions in the anchor's sample, anchor..anchor+B-1
     labels: torch.Tensor  # [b, n*B] token at the same position (not shifted)
     weights: torch.Tensor  # [b, n*B] decay weight, 0 where there is no loss
-    label_positions: torch.Tensor  # [b, n*B] where each label sits in the sequence
+    label_positions: torch.Tensor  # [b, n*B] where each label sits in the row
+    starts: torch.Tensor  # [b, n] the row index where each anchor's sample starts
+
+
+def sample_starts(anchors: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Where the sample of each anchor starts in its row, ``[b, n]``: a position id counts
+    from its sample's first token."""
+    return anchors - position_ids.gather(1, anchors)
 
 
 def make_blocks(
@@ -74,21 +94,32 @@ def make_blocks(
     block_size: int,
     mask_token_id: int,
     gamma: float,
+    position_ids: torch.Tensor | None = None,
 ) -> Blocks:
-    """Blocks ``[token[a], MASK x (B-1)]`` and their same-position labels, with no host sync."""
+    """Blocks ``[token[a], MASK x (B-1)]`` and their same-position labels, with no host sync.
+
+    ``position_ids [b, S]`` restart at 0 where each packed sample starts (``None``: one
+    sample per row, ``0..S-1``). A block's positions count in its anchor's sample, and
+    its slots past that sample's end carry no loss: the next sample's tokens are not
+    what the drafter would be asked for at that position."""
     seq_len = input_ids.shape[1]
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=input_ids.device).expand_as(input_ids)
     offsets = torch.arange(block_size, device=input_ids.device)
-    positions = anchors[..., None] + offsets  # [b, n, B]
-    gather_at = positions.clamp(max=seq_len - 1).flatten(1)
+    index = anchors[..., None] + offsets  # [b, n, B] row indices
+    gather_at = index.clamp(max=seq_len - 1).flatten(1)
+    starts = sample_starts(anchors, position_ids)
+    in_sample = (index - position_ids.gather(1, gather_at).view_as(index)) == starts[..., None]
     labels = input_ids.gather(1, gather_at)
     anchor_tokens = input_ids.gather(1, anchors)
     ids = torch.where(offsets == 0, anchor_tokens[..., None], mask_token_id).flatten(1)
     has_loss = (
         keep[..., None]
-        & (positions < lengths[:, None, None])
+        & (index < lengths[:, None, None])
+        & in_sample
         & (offsets >= 1)
     ).flatten(1) & loss_mask.gather(1, gather_at).bool()
     weights = decay_weights(block_size, gamma, input_ids.device).repeat(anchors.shape[1])
     weights = torch.where(has_loss, weights, 0.0)
-    return Blocks(ids, positions.flatten(1), labels, weights, gather_at)
+    return Blocks(ids, (index - starts[..., None]).flatten(1), labels, weights, gather_at, starts)
 

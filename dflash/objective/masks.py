@@ -3,7 +3,8 @@
 Keys are laid out ``[context (S) | block_0 | block_1 | ...]``; queries are the
 block tokens. A query of block ``j`` sees context keys strictly before its anchor
 (the anchor's own hidden state does not exist yet at inference) and every key of
-its own block (bidirectional), never another block. A padded block (anchor 0)
+its own block (bidirectional), never another block; in a packed row, only the
+context of its own sample (from the sample's start). A padded block (anchor 0)
 sees only itself, so no row is empty and SDPA never yields NaN. A sliding layer's
 mask keeps of these only the keys within its window (:func:`dflash_mask_mod`).
 
@@ -27,8 +28,11 @@ from torch.nn.attention.flex_attention import BlockMask
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None) -> MaskMod:
-    """``anchors`` is ``[b, num_anchors]``; ``ctx_len`` the (padded) context length.
+def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
+                    starts: torch.Tensor | None = None) -> MaskMod:
+    """``anchors`` is ``[b, num_anchors]``; ``ctx_len`` the (padded) context length;
+    ``starts`` ``[b, num_anchors]`` where each anchor's sample starts in a packed row
+    (``None``: every row is one sample).
 
     With ``window`` (a sliding layer), the query at position ``p = anchor + slot`` keeps
     of those keys only the ones at positions ``(p - window, p]``: context keys after
@@ -40,6 +44,8 @@ def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window
         block = q_idx // block_size
         in_ctx = kv_idx < ctx_len
         sees_ctx = in_ctx & (kv_idx < anchors[b, block])
+        if starts is not None:
+            sees_ctx = sees_ctx & (kv_idx >= starts[b, block])
         same_block = ~in_ctx & ((kv_idx - ctx_len) // block_size == block)
         return sees_ctx | same_block
 
@@ -110,15 +116,17 @@ def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, devi
 
 
 def build_mask(
-    anchors: torch.Tensor, ctx_len: int, block_size: int, use_flex: bool, window: int | None = None
+    anchors: torch.Tensor, ctx_len: int, block_size: int, use_flex: bool, window: int | None = None,
+    starts: torch.Tensor | None = None,
 ) -> BlockMask | torch.Tensor:
     """The mask for one micro-batch, as a BlockMask (flex) or a dense bool tensor (SDPA);
     with ``window``, a sliding layer's (its BlockMask skips the tiles outside the window,
-    so the layer's attention does not grow with the context)."""
+    so the layer's attention does not grow with the context); with ``starts``, a packed
+    row's (the tiles of other samples are skipped too)."""
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
     kv_len = ctx_len + q_len
-    mod = dflash_mask_mod(anchors, ctx_len, block_size, window)
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, window, starts)
     if use_flex:
         return flex_block_mask(mod, batch, q_len, kv_len, anchors.device)
     return dense_mask(mod, batch, q_len, kv_len, anchors.device)

@@ -19,9 +19,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash.compile import CompileSettings, resolve_settings
-from dflash.data.bundle import MicroBatch, random_batch, random_prefill, to_device
+from dflash.data.bundle import MicroBatch, random_batch, random_prefill
 from dflash.data.dataset import Dataset, DataSettings, load_dataset, synthetic_dataset
-from dflash.data.order import SampleOrder, collate
+from dflash.data.order import PackedOrder, SampleOrder, collate
 from dflash.device import pick_device
 from dflash.distributed.protocol import Protocol, Timeouts
 from dflash.distributed.topology import Topology, auto_target_ranks
@@ -140,7 +140,7 @@ class TargetSide:
     target: Target
     tokenizer: PreTrainedTokenizerBase | None
     dataset: Dataset
-    order: SampleOrder
+    order: SampleOrder | PackedOrder
     plan: Plan
     pad_id: int
     device: torch.device
@@ -148,31 +148,55 @@ class TargetSide:
     def produce(self, m: int) -> tuple[MicroBatch, PrefillOutput]:
         """Global micro-batch ``m``: collate (anchors drawn on the host), move it to the
         device once (the prefill, the send and the drafter step all read it there), then
-        prefill."""
-        epoch, indices = self.order.micro_batch(m)
-        batch = collate(self.dataset, epoch, indices, list(self.plan.buckets), pad_id=self.pad_id,
+        prefill (a packed one with its samples kept apart)."""
+        epoch, rows = self.order.rows(m)
+        batch = collate(self.dataset, epoch, rows, list(self.plan.buckets), pad_id=self.pad_id,
                         spec=self.plan.anchor_spec())
         batch = batch.to(self.device)
-        return batch, self.target.prefill(batch.input_ids, self.plan.topk)
+        return batch, self.target.prefill(batch.input_ids, self.plan.topk, self.packed_positions(batch))
+
+    def packed_positions(self, batch: MicroBatch) -> torch.Tensor | None:
+        """The position ids the prefill needs: a packed batch's, else none (the fast causal path)."""
+        return batch.position_ids if self.plan.packing else None
 
     def warm(self) -> None:
         """One prefill per length bucket, so every compiled shape exists before data flows."""
         vocab = self.target.head().vocab_size
         for seq_len in self.plan.buckets:
-            batch = random_batch(self.plan.micro_batch_size, seq_len, vocab, self.plan.anchor_spec())
-            self.target.prefill(to_device(batch.input_ids, self.device), self.plan.topk)
+            batch = random_batch(self.plan.micro_batch_size, seq_len, vocab, self.plan.anchor_spec(),
+                                 samples_per_row=2 if self.plan.packing else 1).to(self.device)
+            self.target.prefill(batch.input_ids, self.plan.topk, self.packed_positions(batch))
+
+
+def check_packing(target: Target, dtype: torch.dtype) -> None:
+    """``train.packing`` needs a target whose packed samples never see each other; one
+    that does (recurrent or linear-attention layers, attention that ignores position
+    ids) would hand the drafter features of the wrong context, so it is refused."""
+    error = target.packing_error()
+    limit = 1e-4 if dtype == torch.float32 else 0.1
+    if error > limit:
+        raise ValueError(
+            f"train.packing: {type(target.model).__name__} does not keep packed samples apart (their features "
+            f"differ from each sample's alone by {error:.1%}), so its context features would mix samples; "
+            "train with train.packing=false"
+        )
+    log.info("train.packing: %s keeps packed samples apart (features within %.1e of each sample alone)",
+             type(target.model).__name__, error)
 
 
 def build_target_side(job: Job) -> TargetSide:
     cfg, plan = job.cfg, job.plan
     tokenizer = job.tokenizer
     target = Target(job.source.model(job.device, job.dtype), list(plan.layer_ids))
+    if plan.packing:
+        check_packing(target, job.dtype)
     if job.compile.target:
         target.compile(job.compile)
     max_len = plan.max_len
     if cfg.data.path == "synthetic":
         vocab = job.target_config.get_text_config().vocab_size
-        dataset = synthetic_dataset(cfg.data.num_samples, max_len, vocab, cfg.data.prompt_fraction, seed=plan.seed)
+        dataset = synthetic_dataset(cfg.data.num_samples, max_len, vocab, cfg.data.prompt_fraction, seed=plan.seed,
+                                    mean_length=cfg.data.get("mean_length"))
     else:
         dataset = load_dataset(DataSettings(
             cfg.data.path, max_len, cfg.data.min_loss_tokens, strict=cfg.data.strict, max_samples=cfg.data.max_samples,
@@ -181,7 +205,11 @@ def build_target_side(job: Job) -> TargetSide:
     skipped = dataset.skipped
     log.info("%d training samples, %d records skipped %s", len(dataset), sum(skipped.values()), dict(skipped))
     pad_id = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return TargetSide(target, tokenizer, dataset, plan.sample_order(len(dataset)), plan, pad_id, job.device)
+    order = plan.sample_order(dataset.lengths())
+    if plan.packing:
+        log.info("train.packing: %d samples in %d rows of %d tokens, %.1f%% padding", len(dataset), order.num_rows,
+                 plan.max_len, 100 * order.padding())
+    return TargetSide(target, tokenizer, dataset, order, plan, pad_id, job.device)
 
 
 def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
@@ -212,7 +240,7 @@ def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype) -> Non
     vocab, micro = trainer.head.vocab_size, plan.micro_batch_size
     batches = [
         (
-            random_batch(micro, seq_len, vocab, plan.anchor_spec()),
+            random_batch(micro, seq_len, vocab, plan.anchor_spec(), samples_per_row=2 if plan.packing else 1),
             random_prefill(micro, seq_len, plan.feature_dim, dtype, plan.topk, vocab, trainer.device),
         )
         for seq_len in plan.buckets

@@ -9,13 +9,14 @@ receiver compares them with :meth:`Plan.expected`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from dflash.data.order import SampleOrder
+from dflash.data.order import PackedOrder, SampleOrder
 from dflash.distributed.topology import Topology
 from dflash.distributed.transport import Expected
 from dflash.model.drafter import default_target_layer_ids
@@ -33,11 +34,11 @@ class Plan:
     inputs on every rank), so the two sides cannot reach different values."""
 
     seed: int
-    batch_size: int  # global sequences per optimizer step
-    micro_batch_size: int  # sequences per drafter forward
-    num_anchors: int
+    batch_size: int  # global rows per optimizer step: sequences, or packed rows
+    micro_batch_size: int  # rows per drafter forward
+    num_anchors: int  # per row
     block_size: int
-    max_len: int  # longest sequence trained on
+    max_len: int  # longest sequence trained on; with packing, the tokens of every row
     buckets: tuple[int, ...]  # padded lengths, ascending
     topk: int  # target logits per position sent for the KL loss
     layer_ids: tuple[int, ...]  # target layers whose hidden states form the context
@@ -49,6 +50,7 @@ class Plan:
     chunk_size: int
     max_steps: int  # 0: train for `epochs`
     epochs: int
+    packing: bool = False  # rows of max_len tokens, each filled with whole samples
 
     @property
     def micro_per_step(self) -> int:
@@ -63,11 +65,14 @@ class Plan:
     def anchor_spec(self) -> AnchorSpec:
         return AnchorSpec(self.num_anchors, self.seed)
 
-    def sample_order(self, num_samples: int) -> SampleOrder:
-        return SampleOrder(num_samples, self.batch_size, self.micro_batch_size, self.seed)
+    def sample_order(self, lengths: Sequence[int]) -> SampleOrder | PackedOrder:
+        """The order of the samples of these lengths: one per row, or packed."""
+        if self.packing:
+            return PackedOrder(lengths, self.max_len, self.batch_size, self.micro_batch_size, self.seed)
+        return SampleOrder(len(lengths), self.batch_size, self.micro_batch_size, self.seed)
 
-    def total_steps(self, num_samples: int) -> int:
-        return self.max_steps or self.epochs * self.sample_order(num_samples).steps_per_epoch
+    def total_steps(self, order: SampleOrder | PackedOrder) -> int:
+        return self.max_steps or self.epochs * order.steps_per_epoch
 
     def objective(self) -> ObjectiveConfig:
         return ObjectiveConfig(
@@ -107,7 +112,11 @@ def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: Pr
         text.num_hidden_layers, cfg.drafter.num_context_features
     )
     block_size = cfg.drafter.block_size
-    buckets = tuple(sorted(train.buckets or [train.max_len]))
+    packing = bool(train.get("packing", False))
+    if packing and train.buckets and list(train.buckets) != [train.max_len]:
+        raise ValueError(f"train.packing fills every row to train.max_len={train.max_len} tokens, so it takes no "
+                         f"length buckets: set train.buckets=null (it is {list(train.buckets)})")
+    buckets = (train.max_len,) if packing else tuple(sorted(train.buckets or [train.max_len]))
     micro = train.micro_batch_size
     if micro == "auto":
         micro = auto_micro_batch(train.batch_size, padded_length(buckets, train.max_len), train.micro_batch_tokens)
@@ -129,4 +138,5 @@ def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: Pr
         chunk_size=cfg.loss.chunk_size,
         max_steps=train.max_steps or 0,
         epochs=train.epochs,
+        packing=packing,
     )

@@ -115,7 +115,7 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
     startup.mark("the target and the data")
     if first:
         check_evaluation(settings, side)
-    steps, data = plan.total_steps(len(side.dataset)), side.dataset.summary()
+    steps, data = plan.total_steps(side.order), side.dataset.summary()
     if proto:
         steps = proto.agree_steps(steps, data)
     drafting = build_drafter_side(job, side.target.head(), steps, proto, logs=first)
@@ -194,7 +194,7 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     startup.mark("the target and the data")
     if topo.rank == 0:
         check_evaluation(settings, side)
-    steps = proto.agree_steps(plan.total_steps(len(side.dataset)), side.dataset.summary())
+    steps = proto.agree_steps(plan.total_steps(side.order), side.dataset.summary())
     start = proto.agree_start(None)
     server = eval_server(job, topo, proto, side)
     warm_in_turn(job, topo, proto, lambda: warm_target_rank(job, side, server))

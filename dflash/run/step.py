@@ -48,7 +48,18 @@ class StepStats:
     correct: torch.Tensor
     counted: torch.Tensor
     tokens: torch.Tensor
-    samples: int = 0
+    malformed: torch.Tensor  # rows whose position ids are no sample boundaries
+    samples: torch.Tensor  # samples trained on: rows, or the samples packed into them
+
+
+def malformed_rows(position_ids: torch.Tensor) -> torch.Tensor:
+    """How many rows of ``position_ids [b, S]`` are not sample boundaries: a row starts
+    at 0 and each next id is the one before plus 1, or 0 where a packed sample starts.
+    Counted on the device and checked when the step's sums reach the host, so a
+    malformed bundle stops the run without a sync per micro-batch."""
+    p = position_ids
+    steps_ok = ((p[:, 1:] == p[:, :-1] + 1) | (p[:, 1:] == 0)).all(1)
+    return ((p[:, 0] != 0) | ~steps_ok).sum()
 
 
 def cosine_schedule(total_steps: int, warmup_ratio: float, min_lr_ratio: float):
@@ -153,12 +164,14 @@ class DrafterTrainer:
     def _fresh_stats(self) -> StepStats:
         scalar = torch.zeros((), device=self.device)
         per_slot = torch.zeros(self.obj.block_size, device=self.device)
-        return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone(), scalar.clone())
+        return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone(), scalar.clone(), scalar.clone(),
+                         scalar.clone())
 
     def _forward_loss(
         self,
         features: torch.Tensor,
         input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
         loss_mask: torch.Tensor,
         lengths: torch.Tensor,
         anchors: torch.Tensor,
@@ -169,12 +182,14 @@ class DrafterTrainer:
         """Blocks, mask, drafter and loss of one micro-batch: the compiled region.
         Returns (weighted loss sum, weight sum, per-slot correct, per-slot counted)."""
         obj = self.obj
-        blocks = make_blocks(input_ids, loss_mask, lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma)
-        b, seq_len = input_ids.shape
-        mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex)
+        blocks = make_blocks(input_ids, loss_mask, lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma,
+                             position_ids)
+        seq_len = input_ids.shape[1]
+        mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex, starts=blocks.starts)
         if self.sliding_window is not None:  # sliding layers take a second, windowed mask
-            mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, obj.block_size, self.use_flex, self.sliding_window)}
-        ctx_positions = torch.arange(seq_len, device=input_ids.device).expand(b, seq_len)
+            mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, obj.block_size, self.use_flex,
+                                                    self.sliding_window, blocks.starts)}
+        ctx_positions = position_ids
         labels, weights = drafted(blocks.labels, obj.block_size), drafted(blocks.weights, obj.block_size)
         teacher_idx = teacher_logits = None
         if obj.kl_weight:
@@ -200,8 +215,8 @@ class DrafterTrainer:
             torch.compiler.cudagraph_mark_step_begin()
         with self.autocast:  # outside the compiled code: inside, it keeps the graph out of the AOT cache
             loss_sum, weight_sum, correct, counted = self.forward_loss(
-                prefill.features, batch.input_ids, batch.loss_mask, batch.lengths, batch.anchors, batch.keep,
-                prefill.topk_values, prefill.topk_indices,
+                prefill.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.lengths, batch.anchors,
+                batch.keep, prefill.topk_values, prefill.topk_indices,
             )
         s = self.stats  # graph outputs: copied out before anything else runs
         s.loss_sum += loss_sum.detach()
@@ -217,8 +232,10 @@ class DrafterTrainer:
         """Forward + backward of one micro-batch; gradients accumulate unnormalised."""
         batch = batch.to(self.device)
         self._forward_backward(batch, prefill)
-        self.stats.samples += batch.input_ids.shape[0]
+        real = torch.arange(batch.input_ids.shape[1], device=self.device) < batch.lengths[:, None]
+        self.stats.samples += ((batch.position_ids == 0) & real).sum()
         self.stats.tokens += batch.lengths.sum()
+        self.stats.malformed += malformed_rows(batch.position_ids)
 
     def warmup(self, batches: list[tuple[MicroBatch, PrefillOutput]]) -> None:
         """Compile (and record) every shape before data flows. CUDAGraph Trees warms a
@@ -242,12 +259,15 @@ class DrafterTrainer:
                 "was built): its linear layers' gradients no longer reach the optimizer"
             )
         s, self.stats = self.stats, self._fresh_stats()
-        samples = torch.tensor([s.samples], dtype=torch.float32, device=self.device)
-        sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted, samples, s.tokens[None]])
+        sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted, s.malformed[None],
+                          s.samples[None], s.tokens[None]])
         if group is not None:
             for g in self.grads:
                 dist.all_reduce(g, group=group)
             dist.all_reduce(sums, group=group)
+        if sums[-3] > 0:
+            raise ValueError(f"{int(sums[-3])} micro-batch rows of this step carried position ids that are no sample "
+                             "boundaries (each row counts 0, 1, 2, ... and restarts at 0 where a packed sample starts)")
         b = self.obj.block_size
         loss_sum, weight, correct, counted = sums[0], float(sums[1]), sums[2 : 2 + b], sums[2 + b : 2 + 2 * b]
         loss = float(loss_sum) / weight if weight > 0 else float("nan")

@@ -21,7 +21,7 @@ def batch_anchors(loss_mask, lengths, sample_index, epoch, seed, num_anchors):
     samples = [Sample([1] * int(n), loss_mask[r, : int(n)].tolist(), "t") for r, n in enumerate(lengths)]
     index = {int(i): s for i, s in zip(sample_index, samples)}
     dataset = Dataset([index.get(i, samples[0]) for i in range(max(index) + 1)])
-    mb = collate(dataset, epoch, sample_index.numpy(), [loss_mask.shape[1]], pad_id=0,
+    mb = collate(dataset, epoch, [[i] for i in sample_index.numpy()], [loss_mask.shape[1]], pad_id=0,
                  spec=AnchorSpec(num_anchors, seed))
     return mb.anchors, mb.keep
 
