@@ -8,25 +8,43 @@ inside ``dflash_config`` (newer ones) next to ``mask_token_id`` and
 ``sliding_window`` and ``use_sliding_window`` set when a layer slides; weights
 named ``fc``, ``hidden_norm``, ``layers.N.*`` and ``norm`` with no ``model.``
 prefix and no embedding or LM head (the engines use the target's).
+
+A DFlash2 drafter exports as ``DFlash2DraftModel``: the same layout plus
+``conv_kernel_size``, ``conv_group_size``, ``selector_rank`` and ``selector_top_k`` in
+``dflash_config``, and the weights of :mod:`dflash.model.selector`
+(``layers.N.attention_conv.*``, ``layers.N.mlp_conv.*``, ``candidate_selector.*``), as
+the released DFlash2 drafters have them (``tests/fixtures/dflash2_reference.json``).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.files import publish, staging_dir
-from dflash.model.drafter import SLIDING, DFlashDrafter, DrafterConfig
+from dflash.model.drafter import SLIDING, DFlash2Config, DFlashDrafter, DrafterConfig
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+# dflash_config fields that transform the drafter's logits or embeddings; this drafter has
+# neither transform, so an export asking for one is refused rather than drafted without it
+UNSUPPORTED_TRANSFORMS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 
 
 def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
+    dflash = {
+        "mask_token_id": cfg.mask_token_id,
+        "target_layer_ids": list(cfg.target_layer_ids),
+        "block_size": cfg.block_size,
+    }
+    if cfg.dflash2 is not None:
+        dflash.update(asdict(cfg.dflash2))
     return {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": [ARCHITECTURES[cfg.variant]],
         "model_type": "qwen3",
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -53,11 +71,7 @@ def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
         "dtype": dtype,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": cfg.mask_token_id,
-            "target_layer_ids": list(cfg.target_layer_ids),
-            "block_size": cfg.block_size,
-        },
+        "dflash_config": dflash,
     }
 
 
@@ -94,6 +108,26 @@ def attention_from_hf(config: dict) -> tuple[list[str] | None, int | None]:
     return list(layer_types), config.get("sliding_window")
 
 
+def variant_from_hf(config: dict) -> DFlash2Config | None:
+    """The DFlash2 fields of a ``DFlash2DraftModel`` config (all four are required, as the
+    serving engines require them), ``None`` for a ``DFlashDraftModel``."""
+    architectures = config.get("architectures") or []
+    if not set(architectures) & set(ARCHITECTURES.values()):
+        raise ValueError(f"not a DFlash or DFlash2 drafter export (architectures={architectures})")
+    dflash = config.get("dflash_config", {})
+    for key, identity in UNSUPPORTED_TRANSFORMS.items():
+        if dflash.get(key, identity) != identity:
+            raise ValueError(f"dflash_config.{key}={dflash[key]} transforms the drafter's logits or embeddings, "
+                             "which this drafter does not do")
+    if ARCHITECTURES["dflash2"] not in architectures:
+        return None
+    names = [f.name for f in fields(DFlash2Config)]
+    missing = [n for n in names if dflash.get(n) is None]
+    if missing:
+        raise ValueError(f"a DFlash2DraftModel config needs dflash_config.{', '.join(missing)}")
+    return DFlash2Config(**{n: dflash[n] for n in names})
+
+
 def drafter_config_from_hf(config: dict) -> DrafterConfig:
     dflash = config.get("dflash_config", {})
     block_size = config.get("block_size", dflash.get("block_size"))
@@ -116,17 +150,39 @@ def drafter_config_from_hf(config: dict) -> DrafterConfig:
         max_position_embeddings=config["max_position_embeddings"],
         layer_types=layer_types,
         sliding_window=sliding_window,
+        dflash2=variant_from_hf(config),
     )
 
 
 def load_export(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Build a drafter from an export directory (ours or a z-lab checkpoint)."""
+    """Build a drafter from an export directory (ours or a z-lab checkpoint, DFlash or DFlash2)."""
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
-    if "DFlashDraftModel" not in config.get("architectures", []):
-        raise ValueError(f"{path} is not a DFlashDraftModel export (architectures={config.get('architectures')})")
-    drafter = DFlashDrafter(drafter_config_from_hf(config))
+    try:
+        drafter = DFlashDrafter(drafter_config_from_hf(config))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
     state = load_file(path / "model.safetensors")
     drafter.load_state_dict(state, strict=True)
     dtype = dtype or EXPORT_DTYPES.get(config.get("dtype", "float32"), torch.float32)
     return drafter.to(device=device, dtype=dtype).eval()
+
+
+# Fields a drafter built for the target must share with an export it starts from: every
+# weight's shape, and what the weights were trained to read (the target's layers, the mask).
+MUST_MATCH = ("hidden_size", "intermediate_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "target_layer_ids", "mask_token_id", "variant", "dflash2")
+
+
+def init_from(drafter: DFlashDrafter, path: str | Path) -> None:
+    """Load an export's weights (``drafter.init_from``) into ``drafter``, which was built
+    for the target, after checking that they fit: the same shapes, target layers, mask
+    token and variant. Block size and attention may differ: they shape no weight."""
+    path = Path(path)
+    theirs = drafter_config_from_hf(json.loads((path / "config.json").read_text()))
+    mine = drafter.config
+    differ = [f"{k}: {getattr(theirs, k)} there, {getattr(mine, k)} here" for k in MUST_MATCH
+              if getattr(theirs, k) != getattr(mine, k)]
+    if differ:
+        raise ValueError(f"drafter.init_from={path} does not fit this target's drafter ({'; '.join(differ)})")
+    drafter.load_state_dict(load_file(path / "model.safetensors"), strict=True)
