@@ -97,3 +97,85 @@ def word_tokenizer(vocab_size: int = 96):
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, eos_token="<|endoftext|>", unk_token="<|unk|>", chat_template=template
     )
+
+
+# ---------------------------------------------------------------------------
+# Decoder families: tiny random targets with each family's real structure
+# ---------------------------------------------------------------------------
+
+FAMILY_BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   max_position_embeddings=512)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+
+# model_type and the fields that give each family its structure; "pattern" repeats over the layers as
+# layer_types. Every pattern puts both kinds of layer among the first three, which the drafters capture.
+FAMILIES: dict[str, dict] = {
+    "qwen3": dict(model_type="qwen3"),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, decoder_sparse_step=1, **_MOE),
+    "qwen3_next": dict(model_type="qwen3_next", num_experts=4, shared_expert_intermediate_size=32,
+                       pattern=["linear_attention", "full_attention"], **_MOE, **_LINEAR),
+    "qwen3_5": dict(model_type="qwen3_5_text", pattern=["linear_attention", "full_attention"], **_LINEAR),
+    "llama3": dict(model_type="llama", tie_word_embeddings=True,
+                   rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "gemma3": dict(model_type="gemma3_text", sliding_window=4, pattern=["sliding_attention", "full_attention"]),
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    pattern=["sliding_attention", "full_attention"]),
+    "glm4_moe": dict(model_type="glm4_moe", n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, **_MOE),
+    "deepseek_v3": dict(model_type="deepseek_v3", n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=16, head_dim=8, num_key_value_heads=4, **_MOE),
+}
+
+
+def family_shape(name: str, num_layers: int = 4, vocab: int = 408) -> dict:
+    """A ``target.shape`` (``model_type`` and config fields) of a tiny target of family ``name``;
+    408 is the demo tokenizer's vocabulary."""
+    spec = dict(FAMILIES[name])
+    pattern = spec.pop("pattern", None)
+    shape = {**FAMILY_BASE, "num_hidden_layers": num_layers, "vocab_size": vocab, **spec}
+    if pattern:
+        shape["layer_types"] = (pattern * num_layers)[:num_layers]
+    return shape
+
+
+def family_target(name: str, num_layers: int = 4, vocab: int = 408, std: float = 0.2, seed: int = 1) -> nn.Module:
+    """A tiny random target of family ``name`` in float32, its matrices drawn at ``std`` so
+    that its greedy output varies (see :func:`varied_target`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.model.target import attention_implementation
+
+    shape = family_shape(name, num_layers, vocab)
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config))
+    for p in model.parameters():
+        if p.dim() > 1:
+            nn.init.normal_(p, std=std)
+    return model.eval()
+
+
+def reference_drafter(export_dir) -> nn.Module:
+    """The modules of z-lab's ``DFlashDraftModel``, built from an export's ``config.json``
+    alone out of transformers' Qwen3 parts: decoder layers, ``norm``, and ``fc`` +
+    ``hidden_norm`` over the captured layers. An export that loads into it strictly has
+    the names and shapes the serving engines read."""
+    import json
+    from pathlib import Path
+
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm
+
+    raw = json.loads((Path(export_dir) / "config.json").read_text())
+    config = Qwen3Config(**raw)
+    features = len(raw["dflash_config"]["target_layer_ids"])
+    model = nn.Module()
+    model.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+    model.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    model.fc = nn.Linear(features * config.hidden_size, config.hidden_size, bias=False)
+    model.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+    return model

@@ -7,7 +7,13 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import tiny_drafter, varied_target, word_tokenizer
+from helpers import (
+    family_target,
+    greedy_reference,
+    tiny_drafter,
+    varied_target,
+    word_tokenizer,
+)
 from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache
@@ -15,6 +21,7 @@ from transformers import DynamicCache
 from dflash.decode.speculative import (
     DecodeSettings,
     accept,
+    croppable,
     describe_divergences,
     divergence,
     encode_prompt,
@@ -324,3 +331,37 @@ def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch)
     assert again["lossless"] is True and again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
     kept[1] = kept[1][:-1] + [(kept[1][-1] + 1) % VOCAB]  # a baseline that disagrees is reported, not re-decoded
     assert eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, greedy_outputs=kept)["lossless"] is False
+
+
+# ---------------------------------------------------------------------------
+# Targets whose cache cannot be cropped: sliding windows, linear attention
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,dtype", [("gemma3", torch.float32), ("gpt_oss", torch.float32),
+                                        ("qwen3_5", torch.float64)])
+def test_a_cache_that_cannot_be_cropped_is_rolled_back_exactly(name, dtype):
+    """Sliding-window (window 4 < context) and linear-attention layers: after every
+    rejection the cache is put back to the block start and fed the accepted tokens, so the
+    drafter's context stays the target's hidden states of the accepted prefix (checked on
+    every call), the output is plain greedy decoding without a cache, and acceptance is
+    counted as by hand over many acceptance lengths. Linear attention in float64: it runs a
+    chunked kernel over a whole sequence and a recurrent one token by token, whose float32
+    results differ by ~1e-4 at these weights."""
+    target = family_target(name, num_layers=6, vocab=VOCAB).to(dtype)
+    ids = prompt(5)
+    corrupt = set(random.Random(2).sample(range(ids.shape[1], ids.shape[1] + MAX_NEW + B), 12))
+    drafter, head, greedy = scripted(target, ids, corrupt)
+    tokens, lengths = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW)
+    assert tokens == greedy[:MAX_NEW] == greedy_reference(target, ids[0].tolist(), ids.shape[1] + MAX_NEW)[ids.shape[1]:]
+    assert lengths == reference_acceptance(greedy, drafter.proposals.tolist(), ids.shape[1])
+    assert len(set(lengths)) > 2
+
+
+@pytest.mark.parametrize("name,expected", [("qwen3", True), ("llama3", True), ("gemma3", False), ("qwen3_5", False)])
+def test_only_caches_of_plain_key_value_layers_are_cropped(name, expected):
+    target = family_target(name, num_layers=6, vocab=VOCAB)
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        with_cache(target, cache, input_ids=prompt(0))
+    assert croppable(cache) is expected
