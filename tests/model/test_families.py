@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FAMILIES, family_shape, family_target, reference_drafter
-from runs import read_metrics, run_colocated, run_disaggregated
+from runs import compose_cfg, read_metrics, run_colocated, run_disaggregated
 from safetensors.torch import load_file
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import dflash
 from dflash.decode.speculative import context_features
 from dflash.eval import main as evaluate
 from dflash.model.target import Target, TargetSource, attention_implementation
+from dflash.run.config import target_source
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,3 +91,14 @@ def test_latent_attention_with_fewer_key_heads_is_refused_at_start():
     shape = dict(family_shape("deepseek_v3"), num_key_value_heads=2)
     with pytest.raises(ValueError, match="deepseek_v3 .* num_key_value_heads=2 must equal num_attention_heads=4"):
         TargetSource("random", shape=shape).model(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("preset,billions", [("qwen3_6_27b", 26.9), ("qwen3_30b_a3b", 30.5), ("gpt_oss_20b", 20.9),
+                                             ("llama3_1_8b", 8.03)])
+def test_a_preset_shape_builds_the_model_it_names(preset, billions):
+    """Each preset's ``target.shape`` (what a dry run plans from) gives the published
+    parameter count, within 2% (the 27B count is the text model's, without vision)."""
+    config = target_source(compose_cfg([f"target={preset}", "target.path=random"])).config()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_implementation(config))
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(billions, rel=0.02)
