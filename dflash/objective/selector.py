@@ -3,7 +3,9 @@
 Each drafted slot's selector is taught to pick the label among the LM head's top-k
 candidates of that slot, given the label of the slot before (teacher forcing; slot 1's
 predecessor is the anchor token): a cross-entropy over the k candidate scores
-``logit(c) + transition(h, predecessor, c)`` (:class:`dflash.model.selector.CandidateSelector`).
+``logit(c) + transition(h, predecessor, c)``, the transition being the selector's
+(``CandidateSelector.transition`` in :mod:`dflash.model.selector`, passed in: this
+package knows no model).
 
 The candidates are the strict unary top-k, the set decoding walks. A slot whose label
 is not among them adds nothing: the selector could not have chosen it, so the miss is
@@ -15,20 +17,20 @@ takes the same decay weights ``w_k`` as the CE and, like it, is returned as a we
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from dflash.model.drafter import drafted
-from dflash.model.selector import CandidateSelector
+# (hidden [..., H], predecessors [...], candidates [..., k]) -> transition scores [..., k]
+Transition = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def predecessors(block_labels: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The token before each drafted slot, ``[b, n*(B-1)]``, from the same-position labels
-    of every slot ``[b, n*B]`` (slot 0's label is the anchor token)."""
-    blocks = block_labels.unflatten(1, (-1, block_size))
-    return drafted(torch.cat([blocks[:, :, :1], blocks[:, :, :-1]], dim=2).flatten(1, 2), block_size)
+    """The token before each drafted slot (slots 1..B-1), ``[b, n*(B-1)]``, from the
+    same-position labels of every slot ``[b, n*B]`` (slot 0's label is the anchor token)."""
+    return block_labels.unflatten(1, (-1, block_size))[:, :, :-1].flatten(1, 2)
 
 
 def widened(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +66,8 @@ class SelectorLoss:
 
 
 def selector_loss(
-    selector: CandidateSelector,
+    transition: Transition,
+    top_k: int,
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
     labels: torch.Tensor,
@@ -75,7 +78,8 @@ def selector_loss(
     chunk_size: int = 1024,
 ) -> SelectorLoss:
     """The selector loss of drafted slots with final-normed ``hidden [rows, H]``, labels,
-    predecessors and decay ``weights`` ``[rows]``, through the frozen ``head_weight [V, H]``.
+    predecessors and decay ``weights`` ``[rows]``, over the ``top_k`` candidates of the
+    frozen ``head_weight [V, H]``, rescored by ``transition``.
 
     ``stop_gradient`` keeps this term out of the drafter's layers: only the selector's
     own parameters learn from it. Rows go through the head ``chunk_size`` at a time."""
@@ -84,8 +88,8 @@ def selector_loss(
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         h = hidden[rows].detach() if stop_gradient else hidden[rows]
-        unary, candidates = _TopKLogits.apply(h, head_weight, selector.top_k)
-        scores = unary + widened(selector.transition(h, predecessor_ids[rows], candidates))
+        unary, candidates = _TopKLogits.apply(h, head_weight, top_k)
+        scores = unary + widened(transition(h, predecessor_ids[rows], candidates))
         hit = candidates == labels[rows, None]
         target = hit.int().argmax(-1)
         w = torch.where(hit.any(-1), widened(weights[rows]), 0.0)

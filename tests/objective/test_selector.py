@@ -51,7 +51,7 @@ def grads(loss, tensors):
 def test_loss_and_gradients_equal_the_formula(chunk_size):
     selector, hidden, head, labels, prev, weights = setup()
     params = [hidden, *selector.parameters()]
-    out = selector_loss(selector, hidden, head, labels, prev, weights, chunk_size=chunk_size)
+    out = selector_loss(selector.transition, TOP_K, hidden, head, labels, prev, weights, chunk_size=chunk_size)
     expected = reference(selector, hidden, head, labels, prev, weights)
     torch.testing.assert_close(out.loss_sum.double(), expected, rtol=1e-6, atol=1e-9)
     for got, want in zip(grads(out.loss_sum, params), grads(expected, params)):
@@ -64,7 +64,7 @@ def test_loss_and_gradients_equal_the_formula(chunk_size):
 def test_stop_gradient_trains_only_the_selector():
     selector, hidden, head, labels, prev, weights = setup(1)
     params = list(selector.parameters())
-    out = selector_loss(selector, hidden, head, labels, prev, weights, stop_gradient=True)
+    out = selector_loss(selector.transition, TOP_K, hidden, head, labels, prev, weights, stop_gradient=True)
     expected = reference(selector, hidden, head, labels, prev, weights)
     torch.testing.assert_close(out.loss_sum.double(), expected, rtol=1e-6, atol=1e-9)
     got = torch.autograd.grad(out.loss_sum, [hidden, *params], allow_unused=True)
@@ -78,7 +78,7 @@ def test_a_new_selector_scores_the_unary_top_k():
     the label among the unary top-k logits."""
     _, hidden, head, labels, prev, weights = setup(2)
     selector = CandidateSelector(HIDDEN, VOCAB, RANK, TOP_K).double()
-    out = selector_loss(selector, hidden, head, labels, prev, weights)
+    out = selector_loss(selector.transition, TOP_K, hidden, head, labels, prev, weights)
     z = hidden.detach() @ head.t()
     top = z.topk(TOP_K, -1)
     hit = top.indices == labels[:, None]
