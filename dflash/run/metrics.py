@@ -103,6 +103,7 @@ class MetricsLogger:
             "tau_sim": tau_sim(acc),
             "lr": m["lr"],
             "grad_norm": m["grad_norm"],
+            "samples": samples,  # since the last record: rows, or with packing the samples packed into them
             "samples_per_s": samples / elapsed,
             "tokens_per_s": tokens / elapsed,
             **{f"acc_{k}": float(a) for k, a in enumerate(acc.tolist()) if k >= 1},
