@@ -60,6 +60,7 @@ from transformers.cache_utils import DynamicLayer
 
 from dflash.data import template
 from dflash.data.records import BadRecord, conversation_turns, iter_records, parse_turn
+from dflash.decode.selector import propose, sample
 from dflash.model.drafter import DFlashDrafter, TargetHead
 from dflash.model.export import load_export
 
@@ -107,14 +108,6 @@ def with_cache(model: nn.Module, cache: DynamicCache, **kwargs):
     (``cache`` in 5.x, where ``past_key_values`` is deprecated; only the latter in 4.57)."""
     name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     return model(**kwargs, **{name: cache}, use_cache=True)
-
-
-def sample(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of ``logits`` ``[n, V]``: argmax at temperature 0."""
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def accept(
@@ -259,8 +252,7 @@ def speculative_steps(
             torch.arange(first, p, device=device)[None],
             torch.arange(p, p + block_size, device=device)[None],
         )
-        draft_logits = head.logits(hidden[0, 1:]).float()
-        drafts = sample(draft_logits, temperature, generator)
+        drafts, draft_logits = propose(drafter, head, hidden[0, 1:], tokens[-1], temperature, generator)
         block[0, 1:] = drafts
         saved = None if crop else snapshot(cache)
         out = with_cache(target_model, cache, input_ids=block, output_hidden_states=True)

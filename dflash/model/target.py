@@ -314,7 +314,7 @@ class TargetSource:
         if not self.shape:
             raise ValueError(
                 "target.path=random builds the target from target.shape; use a preset that has one "
-                "(target=qwen3_8b|qwen3_4b|llama3_1_8b)"
+                "(the conf/target presets other than demo, e.g. target=qwen3_8b)"
             )
         shape = dict(self.shape)
         return AutoConfig.for_model(shape.pop("model_type"), **shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -30,7 +30,9 @@ from dflash.model.drafter import (
     DrafterConfig,
     TargetHead,
     check_layer_types,
+    variant_config,
 )
+from dflash.model.export import init_from
 from dflash.model.target import PrefillOutput, Target, TargetSource
 from dflash.run.checkpoint import CheckpointMismatch, resume_candidates
 from dflash.run.config import target_source
@@ -130,6 +132,7 @@ def drafter_config(job: Job) -> DrafterConfig:
         max_position_embeddings=text.max_position_embeddings,
         layer_types=None if layer_types is None else list(layer_types),
         sliding_window=drafter.get("sliding_window"),
+        dflash2=variant_config(drafter.get("variant", "dflash"), drafter),
     )
 
 
@@ -221,6 +224,9 @@ def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
     with torch.device(job.device):  # drawn where it trains: 14 s of host init for 1B parameters otherwise
         drafter = DFlashDrafter(config)
     drafter.reset_parameters(job.cfg.drafter.init_std)
+    if job.cfg.drafter.get("init_from"):
+        init_from(drafter, job.cfg.drafter.init_from)
+        log.info("drafter weights from %s", job.cfg.drafter.init_from)
     log.info(
         "drafter: %d layers at hidden %d, %.1fM trainable params, features from target layers %s, mask id %d",
         config.num_layers, config.hidden_size, sum(p.numel() for p in drafter.parameters()) / 1e6,
@@ -229,8 +235,8 @@ def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
     optimizer = build_optimizer(drafter, train.lr, train.weight_decay, tuple(train.betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(steps, train.warmup_ratio, train.min_lr_ratio))
     autocast = job.dtype if job.device.type == "cuda" else None
-    return DrafterTrainer(drafter, head, job.plan.objective(), optimizer, scheduler, train.grad_clip,
-                          autocast, job.compile)
+    return DrafterTrainer(drafter, head, replace(job.plan.objective(), total_steps=steps), optimizer, scheduler,
+                          train.grad_clip, autocast, job.compile)
 
 
 def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype) -> None:

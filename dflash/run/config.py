@@ -40,5 +40,6 @@ def target_source(cfg: DictConfig) -> TargetSource:
     absent = path is None or (path not in (RANDOM, "demo") and not Path(path).expanduser().is_dir())
     if cfg.dry_run and absent and target.get("shape"):
         path = RANDOM
-    return TargetSource(path if path is not None else target.path, target.trust_remote_code, target.get("shape"),
+    shape = OmegaConf.to_container(target.shape, resolve=True) if target.get("shape") else None
+    return TargetSource(path if path is not None else target.path, target.trust_remote_code, shape,
                         cfg.train.seed, target.get("tokenizer"))

@@ -14,12 +14,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from dflash.data.bundle import shapes
+from dflash.data.bundle import MicroBatch, shapes
+from dflash.data.dataset import synthetic_lengths
 from dflash.distributed.topology import Topology, TopologyError
 from dflash.model.drafter import FULL, DrafterConfig
 from dflash.model.target import decoder_layers
+from dflash.objective.anchors import sample_starts
 from dflash.run.build import Job, auto_split, meta_models, split_by_flops
 from dflash.run.plan import Plan
 
@@ -37,38 +40,45 @@ class PlanError(ValueError):
     """A plan that cannot run as configured; the message names the key to change."""
 
 
-def sliding_keys(d: DrafterConfig, seq_len: int) -> float:
+def sliding_keys(d: DrafterConfig, context: float) -> float:
     """Keys a block query of a sliding layer sees, on average over the block's slots: the
-    positions ``(p - window, p]`` of the query at ``p = anchor + slot``, with the anchor
-    at the mean a full layer's count takes, ``(S - B)/2``."""
+    positions ``(p - window, p]`` of the query at ``p = anchor + slot``, for an anchor with
+    ``context`` positions of its sample before it."""
     if d.sliding_window is None:
         return 0.0
-    anchor = (seq_len - d.block_size) / 2
-    return sum(min(d.sliding_window, anchor + slot + 1) for slot in range(d.block_size)) / d.block_size
+    return sum(min(d.sliding_window, context + slot + 1) for slot in range(d.block_size)) / d.block_size
 
 
-def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int) -> float:
-    """Training FLOPs of one sequence, counted as in docs/DESIGN.md section 6."""
+def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int,
+                  context: float | None = None) -> float:
+    """Training FLOPs of one row, counted as in docs/DESIGN.md section 6, attention over the
+    visible keys only. ``context`` is the mean count of an anchor's sample positions before
+    it (:func:`anchor_context`); ``None``: ``(S - B)/2``, anchors spread over one sample of
+    the row's length."""
     h, kv = d.hidden_size, d.num_key_value_heads * d.head_dim
     q = d.num_attention_heads * d.head_dim
     attention_linear, mlp = h * q * 2 + h * kv * 2, 3 * h * d.intermediate_size
     tq = num_anchors * d.block_size
     full_layers = d.attention_types.count(FULL)
+    context = (seq_len - d.block_size) / 2 if context is None else context
     return (
         6 * attention_linear * d.num_layers * tq
         + 6 * mlp * ((d.num_layers - 1) * tq + num_anchors * (d.block_size - 1))
         + 6 * (2 * h * kv) * d.num_layers * seq_len
         + 4 * (len(d.target_layer_ids) * h * h) * seq_len
         + 4 * h * vocab_size * num_anchors * (d.block_size - 1)
-        + 12 * q * ((seq_len - d.block_size) / 2 + d.block_size) * tq * full_layers
-        + 12 * q * sliding_keys(d, seq_len) * tq * (d.num_layers - full_layers)
+        + 12 * q * (context + d.block_size) * tq * full_layers
+        + 12 * q * sliding_keys(d, context) * tq * (d.num_layers - full_layers)
     )
 
 
-def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int]) -> float:
-    """Inference FLOPs of one sequence over the decoder layers that run: 2 x params x
-    tokens plus causal attention. Without the LM head the prefill stops after the last
-    captured layer (``Target.prefill``); with it, every layer and the head run."""
+def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int],
+                  keys_per_token: float | None = None) -> float:
+    """Inference FLOPs of one row over the decoder layers that run: 2 x params x tokens
+    plus causal attention over ``keys_per_token`` keys on average (:func:`keys_per_token`;
+    ``None``: ``(S + 1)/2``, one sample filling the row). Without the LM head the prefill
+    stops after the last captured layer (``Target.prefill``); with it, every layer and the
+    head run."""
     text = model.config.get_text_config()
     layers = decoder_layers(model)
     run = len(layers) if with_head else max(layer_ids) + 1
@@ -76,8 +86,36 @@ def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_i
     if with_head:
         params += model.get_output_embeddings().weight.numel()
     q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    attention = run * 4 * q * seq_len * (seq_len + 1) / 2
+    keys = (seq_len + 1) / 2 if keys_per_token is None else keys_per_token
+    attention = run * 4 * q * seq_len * keys
     return 2 * params * seq_len + attention
+
+
+def anchor_context(batch: MicroBatch) -> float:
+    """The mean count of positions of its own sample before each kept anchor of ``batch``
+    (an unkept slot sees only its block): what the drafter's attention reads."""
+    before = batch.anchors - sample_starts(batch.anchors, batch.position_ids)
+    return float((before * batch.keep).float().mean())
+
+
+def keys_per_token(batch: MicroBatch) -> float:
+    """The mean count of keys a prefill token attends to under the packed causal mask."""
+    return float((batch.position_ids + 1).float().mean())
+
+
+def packed_attention(job: Job) -> tuple[float | None, float | None, str]:
+    """The anchor context and prefill keys per token of a packed plan, and where they come
+    from. Packed rows attend within each sample, so both follow the sample lengths: those
+    of ``data=synthetic`` with ``data.mean_length`` are drawn here; for other data the
+    plan takes one sample per row, an upper bound."""
+    data = job.cfg.data
+    if not job.plan.packing:
+        return None, None, ""
+    if data.path != "synthetic" or not data.get("mean_length"):
+        return None, None, "attention counted as one sample per row (an upper bound for packed rows)"
+    lengths = synthetic_lengths(4096, job.plan.max_len, data.mean_length, np.random.default_rng(0)).astype(np.float64)
+    before = float((lengths * (lengths - 1) / 2).sum() / lengths.sum())  # an anchor's mean position in its sample
+    return before, before + 1, f"attention over samples of {data.mean_length} tokens on average (data.mean_length)"
 
 
 @dataclass
@@ -167,8 +205,9 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     head_params = embed.numel() + (0 if lm_head is embed else lm_head.numel())
     drafter_params = sum(p.numel() for p in drafter.parameters())
     seq_len = plan.padded_len
-    t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids))
-    d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size)
+    context, keys, _ = packed_attention(job)
+    t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids), keys)
+    d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size, context)
     auto = split_by_flops(job, world_size, target, drafter) if world_size > 1 else 0
     num_targets = auto if targets == "auto" else int(targets)
     if world_size > 1:
@@ -332,10 +371,16 @@ def format_estimate(job: Job, e: Estimate) -> str:
     train = job.cfg.train
     how = (f"auto: the most that fit train.micro_batch_tokens={train.micro_batch_tokens} and divide the batch of "
            f"{plan.batch_size}" if train.micro_batch_size == "auto" else "train.micro_batch_size")
-    lines.append(f"  micro-batch: {plan.micro_batch_size} sequence(s) of up to {plan.padded_len} tokens ({how})")
+    if plan.packing:
+        lines.append(f"  micro-batch: {plan.micro_batch_size} packed row(s) of {plan.max_len} tokens ({how}); "
+                     f"{plan.num_anchors} anchors per row, {1000 * plan.num_anchors / plan.max_len:.0f} per 1k tokens")
+    else:
+        lines.append(f"  micro-batch: {plan.micro_batch_size} sequence(s) of up to {plan.padded_len} tokens ({how})")
+    note = packed_attention(job)[2]
     lines.append(
-        f"  FLOPs per sample: target prefill {e.target_flops / 1e12:.1f} T, drafter step {e.drafter_flops / 1e12:.1f} T "
-        f"(max_len {plan.max_len}, {plan.num_anchors} anchors, block {plan.block_size})"
+        f"  FLOPs per {'row' if plan.packing else 'sample'}: target prefill {e.target_flops / 1e12:.1f} T, drafter step "
+        f"{e.drafter_flops / 1e12:.1f} T (max_len {plan.max_len}, {plan.num_anchors} anchors, block {plan.block_size}"
+        f"{'; ' + note if note else ''})"
     )
     if job.settings.live:
         every = job.settings.live.every
@@ -343,8 +388,10 @@ def format_estimate(job: Job, e: Estimate) -> str:
         lines.append(f"  eval: speculative decoding every {every} steps {where}, with a decoding copy of the "
                      f"drafter ({e.target_gib['evaluation drafter']:.1f} GiB, counted in the target's memory)")
     if e.rates_from:
+        unit = "rows" if plan.packing else "samples"
         lines.append(
-            f"  expected: target {e.target_rate:.2f}, drafter {e.drafter_rate:.2f} samples/s per rank, from "
-            f"{e.rates_from}: {e.samples_per_s:.2f} samples/s, {e.samples_per_s / e.world_size:.2f} per GPU"
+            f"  expected: target {e.target_rate:.2f}, drafter {e.drafter_rate:.2f} {unit}/s per rank, from "
+            f"{e.rates_from}: {e.samples_per_s:.2f} {unit}/s, {e.samples_per_s / e.world_size:.2f} per GPU"
+            + (f", {e.samples_per_s * plan.max_len / e.world_size:,.0f} tokens/s per GPU" if plan.packing else "")
         )
     return "\n".join(lines)

@@ -51,6 +51,10 @@ class Plan:
     max_steps: int  # 0: train for `epochs`
     epochs: int
     packing: bool = False  # rows of max_len tokens, each filled with whole samples
+    selector_alpha: float = 1.0  # DFlash2: the selector term's weight after warmup and ramp
+    selector_warmup: float = 0.0  # fractions of the run's steps
+    selector_ramp: float = 0.0
+    selector_stop_gradient: bool = False
 
     @property
     def micro_per_step(self) -> int:
@@ -78,6 +82,8 @@ class Plan:
         return ObjectiveConfig(
             block_size=self.block_size, mask_token_id=self.mask_token_id, gamma=self.gamma,
             ce_weight=self.ce_weight, kl_weight=self.kl_weight, chunk_size=self.chunk_size,
+            selector_alpha=self.selector_alpha, selector_warmup=self.selector_warmup, selector_ramp=self.selector_ramp,
+            selector_stop_gradient=self.selector_stop_gradient,
         )
 
     def expected(self, feature_dtype: torch.dtype) -> Expected:
@@ -139,4 +145,8 @@ def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: Pr
         max_steps=train.max_steps or 0,
         epochs=train.epochs,
         packing=packing,
+        selector_alpha=cfg.loss.selector_alpha,
+        selector_warmup=cfg.loss.selector_warmup,
+        selector_ramp=cfg.loss.selector_ramp,
+        selector_stop_gradient=cfg.loss.selector_stop_gradient,
     )

@@ -26,6 +26,7 @@ from dflash.model.target import PrefillOutput
 from dflash.objective.anchors import make_blocks
 from dflash.objective.loss import head_loss, slot_accuracy, teacher_at
 from dflash.objective.masks import build_mask
+from dflash.objective.selector import predecessors, selector_loss, selector_weight
 from dflash.run.checkpoint import load_checkpoint
 
 
@@ -37,6 +38,12 @@ class ObjectiveConfig:
     ce_weight: float = 1.0
     kl_weight: float = 0.0
     chunk_size: int = 1024
+    # DFlash2: the selector term's weight, reached after warmup + ramp (fractions of total_steps)
+    selector_alpha: float = 1.0
+    selector_warmup: float = 0.0
+    selector_ramp: float = 0.0
+    selector_stop_gradient: bool = False
+    total_steps: int = 0
 
 
 @dataclass
@@ -146,6 +153,16 @@ class DrafterTrainer:
         self.cuda_graphs = self.compiled and compile_settings.cuda_graphs
         self.forward_loss = compile_settings.compile(self._forward_loss) if self.compiled else self._forward_loss
         self.stats = self._fresh_stats()
+        self.selector = drafter.config.dflash2 is not None
+        # a device tensor, read by the compiled step: a new weight each step recompiles nothing
+        self.selector_alpha = torch.zeros((), device=self.device)
+        self.schedule_selector()
+
+    def schedule_selector(self) -> None:
+        """The selector term's weight for the coming optimizer step."""
+        o = self.obj
+        self.selector_alpha.fill_(selector_weight(self.scheduler.last_epoch, o.total_steps, o.selector_alpha,
+                                                  o.selector_warmup, o.selector_ramp))
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -159,6 +176,7 @@ class DrafterTrainer:
         weights from the masters. Returns the step it was taken after."""
         step = load_checkpoint(path, self.drafter, self.optimizer, self.scheduler, group)
         self.refresh()
+        self.schedule_selector()
         return step
 
     def _fresh_stats(self) -> StepStats:
@@ -178,9 +196,11 @@ class DrafterTrainer:
         keep: torch.Tensor,
         topk_values: torch.Tensor | None,
         topk_indices: torch.Tensor | None,
+        selector_alpha: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Blocks, mask, drafter and loss of one micro-batch: the compiled region.
-        Returns (weighted loss sum, weight sum, per-slot correct, per-slot counted)."""
+        Returns (weighted loss sum, weight sum, per-slot correct, per-slot counted);
+        a DFlash2 drafter's loss sum includes its selector term at ``selector_alpha``."""
         obj = self.obj
         blocks = make_blocks(input_ids, loss_mask, lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma,
                              position_ids)
@@ -208,7 +228,16 @@ class DrafterTrainer:
             obj.chunk_size,
         )
         correct, counted = slot_accuracy(out.predictions, labels, weights, obj.block_size)
-        return out.loss_sum, weights.sum(), correct, counted
+        loss_sum = out.loss_sum
+        if self.selector:
+            selector = self.compute.candidate_selector
+            term = selector_loss(
+                selector.transition, selector.top_k, hidden.flatten(0, 1), self.head.lm_head_weight, labels.flatten(),
+                predecessors(blocks.labels, obj.block_size).flatten(), weights.flatten(),
+                stop_gradient=obj.selector_stop_gradient, chunk_size=obj.chunk_size,
+            )
+            loss_sum = loss_sum + selector_alpha * term.loss_sum
+        return loss_sum, weights.sum(), correct, counted
 
     def _forward_backward(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
         if self.cuda_graphs:
@@ -216,7 +245,7 @@ class DrafterTrainer:
         with self.autocast:  # outside the compiled code: inside, it keeps the graph out of the AOT cache
             loss_sum, weight_sum, correct, counted = self.forward_loss(
                 prefill.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.lengths, batch.anchors,
-                batch.keep, prefill.topk_values, prefill.topk_indices,
+                batch.keep, prefill.topk_values, prefill.topk_indices, self.selector_alpha,
             )
         s = self.stats  # graph outputs: copied out before anything else runs
         s.loss_sum += loss_sum.detach()
@@ -281,6 +310,7 @@ class DrafterTrainer:
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
+        self.schedule_selector()
         self.optimizer.zero_grad(set_to_none=True)
         torch._foreach_zero_(self.grads)
         self.refresh()
