@@ -1,9 +1,15 @@
-"""Score an exported drafter with real speculative decoding on prompt sets.
+"""Score a drafter with real speculative decoding on prompt sets or the public benchmarks.
 
     python -m dflash.eval --drafter outputs/demo/export [--data name=file.jsonl ...]
+    python -m dflash.eval --target /models/Qwen3-8B --drafter DIR --bench gsm8k,math500,humaneval,mbpp,mt-bench
+    python -m dflash.eval --compare ours/eval.json released/eval.json
 
 Batch size 1 against the HF target, greedy (lossless-checked) and sampled;
-:mod:`dflash.decode.speculative` is the decoding and the report it writes.
+:mod:`dflash.decode.speculative` is the decoding and the report it writes,
+:mod:`dflash.decode.benchmarks` the public sets built as z-lab's harness builds them.
+``--drafter`` takes any drafter directory in the z-lab layout: this project's export or
+a released, SpecForge or other checkpoint; one made for another target, or with config
+fields the decoding would ignore, is refused with the reason.
 """
 
 from __future__ import annotations
@@ -15,13 +21,22 @@ from pathlib import Path
 
 import torch
 
+from dflash.decode.benchmarks import (
+    HarnessSettings,
+    compare_table,
+    evaluate_benchmarks,
+    harness_record,
+    parse_bench,
+)
 from dflash.decode.speculative import (
     DecodeSettings,
+    check_drafter_config,
     evaluate_datasets,
     format_table,
     load_prompts,
 )
 from dflash.model.drafter import TargetHead
+from dflash.model.export import load_export
 from dflash.model.target import TargetSource
 
 
@@ -36,10 +51,18 @@ def positive(text: str) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m dflash.eval", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="demo", help="local HF model directory, or 'demo'")
-    ap.add_argument("--drafter", required=True, help="export directory (config.json + model.safetensors)")
+    ap.add_argument("--drafter", help="drafter directory in the z-lab layout (config.json + model.safetensors)")
     ap.add_argument("--data", nargs="+", default=["demo=demo_heldout"], help="name=path.jsonl entries")
+    ap.add_argument("--bench", default=None, metavar="SETS",
+                    help="public sets instead of --data, comma-separated: gsm8k,math500,humaneval,mbpp,mt-bench; "
+                    "name=path reads that set's rows from a local file in its schema")
+    ap.add_argument("--bench-dir", default=None, help="read each --bench set from <dir>/<name>.jsonl")
+    ap.add_argument("--max-samples", type=positive, default=None,
+                    help="--bench: rows kept per set after the harness's seeded shuffle (default: all)")
+    ap.add_argument("--sample-seed", type=int, default=0, help="--bench: the shuffle's seed (the harness's is 0)")
+    ap.add_argument("--enable-thinking", action="store_true", help="--bench: render prompts with thinking on")
     ap.add_argument("--max-prompts", type=positive, default=64)
-    ap.add_argument("--max-new-tokens", type=positive, default=256)
+    ap.add_argument("--max-new-tokens", type=positive, default=None, help="default 256, or 2048 with --bench")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     ap.add_argument("--seed", type=int, default=0)
@@ -53,28 +76,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON",
                     help='chat template arguments as in training\'s data.chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
     ap.add_argument("--out", default=None, help="report path; default <output_dir>/eval.json next to the export")
-    return ap.parse_args(argv)
+    ap.add_argument("--compare", nargs=2, default=None, metavar=("OURS", "RELEASED"),
+                    help="print (and with --out write) one table of two --bench reports instead of evaluating")
+    args = ap.parse_args(argv)
+    if args.compare is None and args.drafter is None:
+        ap.error("--drafter is required (or --compare)")
+    if args.bench is not None and len(args.temperature) != 1:
+        ap.error("--bench takes one --temperature, as the harness")
+    return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
-    for path in datasets.values():  # a wrong path fails before the target loads
-        load_prompts(path, 1, key="--data")
+def compare(args: argparse.Namespace) -> str:
+    """The table of two benchmark reports (set, tau ours, tau released, lossless)."""
+    ours, released = (json.loads(Path(p).read_text()) for p in args.compare)
+    table = compare_table(ours, released)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return table
+
+
+def bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, out: Path) -> dict:
+    """``--bench``: the public sets as z-lab's harness builds them; the report is
+    ``eval.json``'s with the harness settings it was measured under."""
+    benches = parse_bench(args.bench, args.bench_dir)
+    check_drafter_config(args.drafter)  # a drafter this decoding cannot run fails before the target loads
+    settings = HarnessSettings(max_new_tokens=args.max_new_tokens or 2048, temperature=args.temperature[0],
+                               enable_thinking=args.enable_thinking, max_samples=args.max_samples,
+                               sample_seed=args.sample_seed, seed=args.seed, block_size=args.block_size)
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
-    out = args.out or Path(args.drafter).resolve().parent / "eval.json"
-    settings = DecodeSettings(max_new_tokens=args.max_new_tokens, max_prompts=args.max_prompts,
-                              temperatures=args.temperature, seed=args.seed, block_size=args.block_size,
-                              template_kwargs=args.chat_template_kwargs)
-    report = evaluate_datasets(target_model, tokenizer, args.drafter, head, datasets=datasets, out_path=out,
-                               settings=settings, target_name=args.target)
+    drafter = load_export(args.drafter, device, dtype)
+    results = evaluate_benchmarks(target_model, tokenizer, drafter, head, benches, settings)
+    taus = [r["tau"] for r in results.values() if r["tau"] is not None]
+    greedy = [r["lossless"] for r in results.values() if r["lossless"] is not None]
+    report = {
+        "target": args.target, "drafter": str(args.drafter),
+        "block_size": args.block_size or drafter.config.block_size,
+        "tau": sum(taus) / len(taus) if taus else None, "lossless": all(greedy) if greedy else None,
+        "harness": harness_record(settings), "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict | str:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.compare:
+        table = compare(args)
+        print(table)
+        return table
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    out = Path(args.out) if args.out else Path(args.drafter).resolve().parent / "eval.json"
+    if args.bench is not None:
+        report = bench(args, device, dtype, out)
+    else:
+        report = data(args, device, dtype, out)
     print(format_table(report))
     print(f"lossless: {report['lossless']}  report: {out}")
     return report
+
+
+def data(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, out: Path) -> dict:
+    """``--data``: local prompt sets in any format training reads, rendered as training does."""
+    datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
+    for path in datasets.values():  # a wrong path fails before the target loads
+        load_prompts(path, 1, key="--data")
+    check_drafter_config(args.drafter)
+    target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
+    head = TargetHead.of(target_model)
+    settings = DecodeSettings(max_new_tokens=args.max_new_tokens or 256, max_prompts=args.max_prompts,
+                              temperatures=args.temperature, seed=args.seed, block_size=args.block_size,
+                              template_kwargs=args.chat_template_kwargs)
+    return evaluate_datasets(target_model, tokenizer, args.drafter, head, datasets=datasets, out_path=out,
+                             settings=settings, target_name=args.target)
 
 
 if __name__ == "__main__":

@@ -370,21 +370,70 @@ def encode_prompt(
     return torch.tensor([template.prompt_ids(tokenizer, messages, template_kwargs)], dtype=torch.long)
 
 
+# Keys of a drafter's config.json that loading understands: Qwen3Config's (transformers 4.57
+# and 5.x spellings), what HF writes into every saved config, and the DFlash layout's own.
+KNOWN_CONFIG_FIELDS = frozenset({
+    "architectures", "auto_map", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+    "attention_bias", "attention_dropout", "hidden_act", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "initializer_range",
+    "layer_types", "max_window_layers", "use_sliding_window", "sliding_window", "use_cache", "is_causal",
+    "bos_token_id", "eos_token_id", "pad_token_id", "block_size", "num_target_layers", "dflash_config",
+})
+KNOWN_DFLASH_FIELDS = frozenset({
+    "mask_token_id", "target_layer_ids", "block_size", "num_target_layers",
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",  # DFlash2
+    # read so that the loader refuses them with its own reason
+    "output_multiplier", "final_logit_softcapping", "input_embedding_scale", "causal", "use_swa",
+})
+
+
+def unknown_fields(config: Mapping) -> list[str]:
+    """The keys of a drafter's ``config.json`` that no loader here reads: each may change
+    what the drafter computes (a quantization, a vocabulary map, another attention), so a
+    drafter carrying one would be scored as something it is not."""
+    top = [k for k in config if k not in KNOWN_CONFIG_FIELDS]
+    dflash = [f"dflash_config.{k}" for k in config.get("dflash_config") or {} if k not in KNOWN_DFLASH_FIELDS]
+    return sorted(top) + sorted(dflash)
+
+
+def check_drafter_config(path: str | Path) -> dict:
+    """A drafter directory's ``config.json``, refused with the reason when it is not a
+    DFlash layout this decoding runs: no config, or fields it would ignore."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path}: no config.json; --drafter takes a drafter directory in the z-lab layout "
+                         "(config.json + model.safetensors)")
+    config = json.loads(config_path.read_text())
+    unknown = unknown_fields(config)
+    if unknown:
+        raise ValueError(f"{path}: config.json has fields this decoding does not read, so the drafter would not be "
+                         f"run as it was trained: {', '.join(unknown)}")
+    return config
+
+
 def check_compatible(target_model: nn.Module, drafter: DFlashDrafter) -> None:
-    """Fail with a message instead of a shape error deep in a matmul."""
+    """Refuse a drafter made for another target, with the reason, instead of a shape
+    error deep in a matmul or a silently low tau: it must read features of the target's
+    width from layers the target has, draft in the target's vocabulary (it uses the
+    target's embedding and LM head) and have been trained on a target of its depth."""
     text = target_model.config.get_text_config()
     cfg = drafter.config
-    if cfg.hidden_size != text.hidden_size or not 0 <= cfg.mask_token_id < text.vocab_size:
-        raise ValueError(
-            f"drafter (hidden {cfg.hidden_size}, mask id {cfg.mask_token_id}) does not fit the target "
-            f"(hidden {text.hidden_size}, vocab {text.vocab_size})"
-        )
+    reasons = []
+    if cfg.hidden_size != text.hidden_size:
+        reasons.append(f"hidden size {cfg.hidden_size}, the target's is {text.hidden_size}")
+    if cfg.vocab_size != text.vocab_size:
+        reasons.append(f"vocabulary of {cfg.vocab_size}, the target's has {text.vocab_size}")
+    if not 0 <= cfg.mask_token_id < text.vocab_size:
+        reasons.append(f"mask id {cfg.mask_token_id} outside the target's vocabulary of {text.vocab_size}")
+    if cfg.num_target_layers != text.num_hidden_layers:
+        reasons.append(f"trained on a target of {cfg.num_target_layers} layers, this one has {text.num_hidden_layers}")
     if not all(0 <= i < text.num_hidden_layers - 1 for i in cfg.target_layer_ids):
         # HF's hidden_states[L] is taken after the final norm, unlike the other layers.
-        raise ValueError(
-            f"target_layer_ids {cfg.target_layer_ids} must lie in 0..{text.num_hidden_layers - 2} "
-            "for this evaluation"
-        )
+        reasons.append(f"target_layer_ids {cfg.target_layer_ids} beyond 0..{text.num_hidden_layers - 2}, the layers "
+                       f"of this {text.num_hidden_layers}-layer target whose outputs it can read")
+    if reasons:
+        raise ValueError(f"the drafter does not fit this target: {'; '.join(reasons)}")
 
 
 def tau(acceptance: list[list[int]]) -> float | None:
