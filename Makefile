@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-gpu clean
+.PHONY: install demo test test-gpu reproduce clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ test: install
 
 test-gpu: install
 	$(PY) -m pytest -q -m gpu
+
+# recipes/qwen3_8b.sh: MODEL=/models/Qwen3-8B PROMPTS=prompts.jsonl RELEASED=/models/Qwen3-8B-DFlash-b16
+# [WORK=runs/qwen3_8b] [DRY_RUN=1] [SERVER=http://host:8000]; the table lands in $(WORK)/acceptance.md
+WORK ?= runs/qwen3_8b
+reproduce: install
+	PYTHON=$(PY) recipes/qwen3_8b.sh "$(MODEL)" "$(PROMPTS)" "$(RELEASED)" "$(WORK)"
 
 clean:
 	rm -rf $(VENV) outputs
