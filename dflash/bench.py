@@ -46,6 +46,8 @@ from dflash.compile import (
     warmup_turn,
 )
 from dflash.data.bundle import MicroBatch, random_batch, random_prefill
+from dflash.data.dataset import synthetic_dataset
+from dflash.data.order import collate
 from dflash.device import peak_memory_gib, synchronize
 from dflash.distributed.protocol import free_port, get_bytes, put_bytes, set_rank_env
 from dflash.distributed.transport import BundleReceiver, BundleSender
@@ -54,13 +56,35 @@ from dflash.model.target import RANDOM, PrefillOutput, Target, random_target
 from dflash.run.build import Job, build_job, build_trainer, warm_drafter
 from dflash.run.checkpoint import CheckpointWriter, checkpoints
 from dflash.run.config import compose_config
-from dflash.run.estimate import drafter_flops, prefill_flops
+from dflash.run.estimate import (
+    anchor_context,
+    drafter_flops,
+    keys_per_token,
+    prefill_flops,
+)
 from dflash.run.step import DrafterTrainer
 
 log = logging.getLogger("dflash.bench")
 
 MODES = {"eager": None, "compile": "default", "reduce-overhead": "reduce-overhead"}
 ARTIFACTS_KEY = "compile_artifacts"  # where --warmup-procs hands compiled code on, in its store
+
+
+def packed_batches(job: Job, vocab_size: int, count: int) -> tuple[list[MicroBatch], float]:
+    """``count`` micro-batches of rows packed as training packs them, from synthetic samples
+    of the configured length mix (``data=synthetic data.mean_length=N``), and the padding
+    share of their epoch."""
+    plan, data = job.plan, job.cfg.data
+    if data.path != "synthetic" or not data.get("mean_length"):
+        raise ValueError("a packed benchmark packs synthetic samples of a length mix: add data=synthetic "
+                         "data.mean_length=N (e.g. 4500)")
+    num_samples = int(1.3 * plan.batch_size * plan.max_len / data.mean_length) + 8
+    dataset = synthetic_dataset(num_samples, plan.max_len, vocab_size, data.prompt_fraction, seed=plan.seed,
+                                mean_length=data.mean_length)
+    order = plan.sample_order(dataset.lengths())
+    batches = [collate(dataset, *order.rows(m), list(plan.buckets), pad_id=0, spec=plan.anchor_spec())
+               for m in range(count)]
+    return batches, order.padding()
 
 
 def bench_job(overrides: list[str]) -> Job:
@@ -171,8 +195,17 @@ class Bench:
         self.head = TargetHead.of(self.model)
         self.micro, self.seq_len, self.topk = plan.micro_batch_size, plan.max_len, plan.topk
         vocab = self.head.vocab_size
-        self.batches = [random_batch(self.micro, self.seq_len, vocab, plan.anchor_spec(), seed=i) for i in range(2)]
+        self.padding = None
+        if plan.packing:
+            self.batches, self.padding = packed_batches(job, vocab, 2)
+        else:
+            self.batches = [random_batch(self.micro, self.seq_len, vocab, plan.anchor_spec(), seed=i) for i in range(2)]
         self.target = Target(self.model, list(plan.layer_ids))
+        self.tokens = sum(int(b.lengths.sum()) for b in self.batches) / len(self.batches)  # real tokens per micro-batch
+
+    def positions(self, batch: MicroBatch) -> torch.Tensor | None:
+        """What the prefill takes: a packed batch's position ids, else none (as training)."""
+        return batch.position_ids.to(self.device) if self.job.plan.packing else None
 
     def mfu(self, flops: float, seconds: float) -> float:
         return round(100 * flops / seconds / self.peak, 1)
@@ -209,13 +242,16 @@ class Bench:
         seconds = timed(step, self.steps, self.device) / self.accumulation
         if name == self.profile:
             self.profile_table = profile_table(step, self.device)
-        flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.job.plan.num_anchors, self.head.vocab_size)
+        context = sum(anchor_context(b) for b in self.batches) / len(self.batches)
+        flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.job.plan.num_anchors,
+                                           self.head.vocab_size, context)
         after = compile_counts()
         result = {
             "role": "drafter",
             "mode": name,
             "step_ms": round(1e3 * seconds, 2),
             "samples_per_s": round(self.micro / seconds, 2),
+            "tokens_per_s": round(self.tokens / seconds),
             "mfu_pct": self.mfu(flops, seconds),
             "tflop_per_step": round(flops / 1e12, 2),
             "peak_gib": peak_memory_gib(self.device),
@@ -236,17 +272,19 @@ class Bench:
             target.compile(with_mode(self.job, "default", target=True).compile)
         else:
             target.uncompile()
-        ids = self.batches[0].input_ids.to(self.device)
+        batch = self.batches[0]
+        ids, positions = batch.input_ids.to(self.device), self.positions(batch)
         start = time.perf_counter()
-        target.prefill(ids, self.topk)
+        target.prefill(ids, self.topk, positions)
         warmup_s = time.perf_counter() - start
-        seconds = timed(lambda: target.prefill(ids, self.topk), self.steps, self.device)
-        flops = self.micro * prefill_flops(self.model, self.seq_len, bool(self.topk), list(self.job.plan.layer_ids))
+        seconds = timed(lambda: target.prefill(ids, self.topk, positions), self.steps, self.device)
+        flops = self.micro * prefill_flops(self.model, self.seq_len, bool(self.topk), list(self.job.plan.layer_ids),
+                                           keys_per_token(batch))
         return {
             "role": "target",
             "mode": name,
             "step_ms": round(1e3 * seconds, 2),
-            "tokens_per_s": round(self.micro * self.seq_len / seconds),
+            "tokens_per_s": round(int(batch.lengths.sum()) / seconds),
             "mfu_pct": self.mfu(flops, seconds),
             "tflop_per_step": round(flops / 1e12, 2),
             "peak_gib": peak_memory_gib(self.device),
@@ -276,7 +314,7 @@ class Bench:
 
         def micro_batch() -> tuple[MicroBatch, PrefillOutput]:
             batch = self.batches[next(calls) % len(self.batches)].to(self.device)
-            return batch, self.target.prefill(batch.input_ids, self.topk)
+            return batch, self.target.prefill(batch.input_ids, self.topk, self.positions(batch))
 
         def step() -> None:
             for _ in range(self.accumulation):
@@ -292,6 +330,7 @@ class Bench:
             "mode": "compiled" if self.trainer.compiled else "eager",
             "step_ms": round(1e3 * seconds, 2),
             "samples_per_s": round(self.micro / seconds, 2),
+            "tokens_per_s": round(self.tokens / seconds),
             "peak_gib": peak_memory_gib(self.device),
         }
         if self.device.type == "cuda":
@@ -359,6 +398,8 @@ def run_bench(
             "block_size": drafter.block_size, "drafter_layers": drafter.num_layers,
             "drafter_params": sum(p.numel() for p in bench.trainer.drafter.parameters()),
             "kl_topk": plan.topk, "dtype": str(bench.dtype).removeprefix("torch."), "accumulation": accumulation,
+            "packing": plan.packing, "padding": bench.padding, "tokens_per_micro_batch": bench.tokens,
+            "layer_types": drafter.layer_types, "sliding_window": drafter.sliding_window,
         },
         "peak_tflops": peak_tflops,
         "flop_count": "docs/DESIGN.md section 6: drafter 6*params*tokens (+ context K/V, fc, LM head fwd+input-grad, attention); "

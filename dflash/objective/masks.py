@@ -15,7 +15,7 @@ The ``BlockMask`` is built here rather than by ``create_block_mask``: that one
 orders block indices with an argsort, which torch <= 2.12 compiles into a Triton
 sort kernel that took 154 s of the 207 s cold compile at Qwen3-8B shapes
 (BENCHMARKS.md "Where the compile time goes"). :func:`flex_block_mask` gives the
-same tensors from a cumulative sum and a scatter.
+same tensors from a cumulative sum (:func:`ordered_blocks`).
 """
 
 from __future__ import annotations
@@ -72,13 +72,19 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
 def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a block-level mask ``[..., rows, cols]``: how many columns are set, and
     every column index with the set ones first, each group ascending: the stable
-    descending argsort flex uses, computed as positions (a cumulative sum) and one
-    scatter, which compiles to plain elementwise kernels."""
+    descending argsort flex uses, computed from positions (a cumulative sum).
+
+    Eager, one scatter puts each column at its position. Compiled, the same order is a
+    sum over the columns, ``order[j] = sum_c c * (slot[c] == j)``, which Inductor fuses
+    into one reduction: torch 2.11's Triton codegen failed on the scatter at long-context
+    shapes (8k and 32k-token rows), and a sort compiles for minutes."""
     d = dense.to(torch.int32)
     count = d.sum(-1, dtype=torch.int32)
     slot = torch.where(dense, d.cumsum(-1) - 1, count[..., None] + (1 - d).cumsum(-1) - 1)
-    cols = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32).expand_as(d)
-    return count, torch.empty_like(d).scatter_(-1, slot.long(), cols)
+    cols = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32)
+    if torch.compiler.is_compiling():
+        return count, ((slot[..., None, :] == cols[:, None]) * cols).sum(-1, dtype=torch.int32)
+    return count, torch.empty_like(d).scatter_(-1, slot.long(), cols.expand_as(d))
 
 
 def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device,

@@ -89,3 +89,16 @@ def test_a_layer_used_twice_in_a_compiled_graph_adds_both_uses():
         sums.append(lin.grad_sink)
     assert sums[0].abs().sum() > 0
     torch.testing.assert_close(sums[0], sums[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_weight_gradient_sums_in_fp32_inside_the_cublas_gemm():
+    """On CUDA a bf16 layer's weight-gradient GEMM writes the fp32 sum itself (``addmm``
+    with ``out_dtype``, in place): equal to a float64 sum of the bf16 operands to fp32
+    precision, far closer than adding gradients rounded to bf16."""
+    lin, seen = passes(torch.bfloat16, "cuda")
+    exact = float64_sum(seen)
+    error = (lin.grad_sink.double() - exact).abs().max()
+    rounded = sum((dy.flatten(0, 1).T @ x.flatten(0, 1)).float() for x, dy, _ in seen).double()
+    assert error < 1e-4 and (rounded - exact).abs().max() > 10 * error
+    assert lin.weight.grad is None

@@ -114,17 +114,20 @@ BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_in
                 "full_q_num_blocks", "full_q_indices")
 
 
-@pytest.mark.parametrize("ctx_len,num_anchors,block_size,window", [
-    (128, 4, 16, None), (256, 24, 16, None), (200, 9, 10, None), (640, 40, 16, None), (256, 24, 16, 40), (640, 40, 16, 7),
+@pytest.mark.parametrize("ctx_len,num_anchors,block_size,window,packed", [
+    (128, 4, 16, None, False), (256, 24, 16, None, False), (200, 9, 10, None, False), (640, 40, 16, None, False),
+    (256, 24, 16, 40, False), (640, 40, 16, 7, False), (640, 40, 16, None, True), (640, 40, 16, 40, True),
 ])
-def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size, window):
+def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size, window, packed):
     """Every tensor of the sort-free BlockMask equals create_block_mask's, padded anchors
-    (0), lengths that are not multiples of the 128 block and sliding windows included."""
+    (0), lengths that are not multiples of the 128 block, sliding windows and packed
+    rows (each anchor's context from its sample's start) included."""
     g = torch.Generator().manual_seed(ctx_len + num_anchors)
     anchors = torch.randint(1, ctx_len, (3, num_anchors), generator=g).sort(-1).values
     anchors[1, num_anchors // 2:] = 0  # unfilled slots
     anchors[2] = 0
-    mod = dflash_mask_mod(anchors, ctx_len, block_size, window)
+    starts = (anchors // 150) * 150 if packed else None  # samples of 150 tokens side by side
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, window, starts)
     q_len = num_anchors * block_size
     kv_len = ctx_len + q_len
     want = create_block_mask(mod, 3, None, q_len, kv_len, device="cpu")
@@ -154,3 +157,18 @@ def test_flex_matches_dense_sdpa_on_cuda(window):
     torch.testing.assert_close(out_flex, out_sdpa, atol=2e-2, rtol=2e-2)
     for a, b in zip(grads_flex, grads_sdpa):
         torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+
+
+def test_compiled_block_order_equals_the_eager_scatter():
+    """Compiled, the order of each row's blocks is a reduction rather than a scatter; both
+    give every tensor of the BlockMask alike, packed rows and windows included."""
+    g = torch.Generator().manual_seed(4)
+    anchors = torch.randint(1, 600, (2, 37), generator=g).sort(-1).values
+    anchors[1, 20:] = 0
+    starts = (anchors // 150) * 150
+    mod = dflash_mask_mod(anchors, 600, 16, 40, starts)
+    q_len, kv_len = 37 * 16, 600 + 37 * 16
+    eager = flex_block_mask(mod, 2, q_len, kv_len, torch.device("cpu"))
+    compiled = torch.compile(lambda: flex_block_mask(mod, 2, q_len, kv_len, torch.device("cpu")), backend="aot_eager")()
+    for name in BLOCK_FIELDS:
+        torch.testing.assert_close(getattr(compiled, name), getattr(eager, name), rtol=0, atol=0, msg=name)
