@@ -72,18 +72,24 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
 def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of a block-level mask ``[..., rows, cols]``: how many columns are set, and
     every column index with the set ones first, each group ascending: the stable
-    descending argsort flex uses, computed from positions (a cumulative sum).
+    descending argsort flex uses, computed from each column's position in its group.
 
-    Eager, one scatter puts each column at its position. Compiled, the same order is a
-    sum over the columns, ``order[j] = sum_c c * (slot[c] == j)``, which Inductor fuses
-    into one reduction: torch 2.11's Triton codegen failed on the scatter at long-context
-    shapes (8k and 32k-token rows), and a sort compiles for minutes."""
+    Eager, the positions are a cumulative sum and one scatter puts each column there.
+    Compiled, the cumulative sum is a product with a triangular matrix (exact in
+    float64) and the order a sum over the columns, ``order[j] = sum_c c * (slot[c] == j)``,
+    which Inductor fuses into one reduction: torch 2.11's Triton codegen failed on the
+    scan and the scatter over the transposed mask at long-context shapes (rows of 8k
+    and 32k tokens), and a sort compiles for minutes."""
     d = dense.to(torch.int32)
-    count = d.sum(-1, dtype=torch.int32)
-    slot = torch.where(dense, d.cumsum(-1) - 1, count[..., None] + (1 - d).cumsum(-1) - 1)
     cols = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32)
     if torch.compiler.is_compiling():
+        upper = (cols[:, None] <= cols[None, :]).double()
+        through = (dense.double() @ upper).to(torch.int32)  # set columns up to each column, itself included
+        count = through[..., -1]
+        slot = torch.where(dense, through - 1, count[..., None] + cols - through)
         return count, ((slot[..., None, :] == cols[:, None]) * cols).sum(-1, dtype=torch.int32)
+    count = d.sum(-1, dtype=torch.int32)
+    slot = torch.where(dense, d.cumsum(-1) - 1, count[..., None] + (1 - d).cumsum(-1) - 1)
     return count, torch.empty_like(d).scatter_(-1, slot.long(), cols.expand_as(d))
 
 
