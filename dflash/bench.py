@@ -201,6 +201,8 @@ class Bench:
         else:
             self.batches = [random_batch(self.micro, self.seq_len, vocab, plan.anchor_spec(), seed=i) for i in range(2)]
         self.target = Target(self.model, list(plan.layer_ids))
+        if plan.packing and self.device.type == "cuda":
+            self.target.attend_packed_with_flex()
         self.tokens = sum(int(b.lengths.sum()) for b in self.batches) / len(self.batches)  # real tokens per micro-batch
 
     def positions(self, batch: MicroBatch) -> torch.Tensor | None:

@@ -217,6 +217,19 @@ class Target:
             self._captured.clear()
         return PrefillOutput(features, values, indices)
 
+    def attend_packed_with_flex(self) -> bool:
+        """Switch a target on CUDA to flex attention for packed rows, where its family has it.
+
+        Under SDPA a packed row carries a dense ``[S, S]`` mask, which takes the masked
+        kernel: the Qwen3-8B prefill of a 32k-token row ran at 21% MFU on the H200, against
+        76% at 8k. Flex attention skips the tiles of other samples; HF builds its block
+        mask from the position ids. Returns whether the switch was made."""
+        if not getattr(self.model, "_supports_flex_attn", False):
+            return False
+        self.model.set_attn_implementation("flex_attention")
+        self._masks = None
+        return True
+
     def packing_error(self, lengths: tuple[int, ...] = (24, 40, 16)) -> float:
         """How far the features of random samples packed into one row are from those of
         each sample alone: the largest relative norm of the difference. Near 0 (rounding)

@@ -192,6 +192,8 @@ def build_target_side(job: Job) -> TargetSide:
     tokenizer = job.tokenizer
     target = Target(job.source.model(job.device, job.dtype), list(plan.layer_ids))
     if plan.packing:
+        if job.device.type == "cuda" and target.attend_packed_with_flex():
+            log.info("train.packing: the target attends with flex attention, skipping other samples' tiles")
         check_packing(target, job.dtype)
     if job.compile.target:
         target.compile(job.compile)
