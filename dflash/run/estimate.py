@@ -316,14 +316,15 @@ def of_layout(job: Job, options: list[Estimate], targets: int) -> Estimate:
     return found[0] if found else estimate(job, options[0].world_size, targets)
 
 
-def format_options(options: list[Estimate], chosen: int) -> str:
-    """The layouts side by side, the fuller rank's memory and the predicted rate per GPU;
-    ``chosen`` target ranks is this run's."""
+def format_options(options: list[Estimate], chosen: int, packing: bool = False) -> str:
+    """The layouts side by side, the fuller rank's memory and the predicted rate per GPU
+    (rows with ``packing``); ``chosen`` target ranks is this run's."""
     lines = ["  layouts (topology.mode=auto with topology.target_ranks=auto takes the fastest that fits):"]
+    unit = "rows" if packing else "samples"
     for e in options:
         name = "colocated data-parallel" if e.colocated else f"{e.num_targets} target / {e.world_size - e.num_targets} drafter"
         verdict = "this run" if e.num_targets == chosen else "fits" if fits(e) else "does not fit"
-        lines.append(f"    {name:<26} {rank_gib(e):6.1f} GiB per rank, {e.samples_per_s / e.world_size:6.2f} samples/s "
+        lines.append(f"    {name:<26} {rank_gib(e):6.1f} GiB per rank, {e.samples_per_s / e.world_size:6.2f} {unit}/s "
                      f"per GPU  {verdict}")
     return "\n".join(lines)
 
