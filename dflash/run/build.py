@@ -111,7 +111,10 @@ def auto_split(job: Job, world: int) -> int:
 
 
 def drafter_config(job: Job) -> DrafterConfig:
-    """The drafter takes every shape but its depth (and each layer's attention) from the target."""
+    """The drafter takes every shape but its depth (and each layer's attention) from the target;
+    ``drafter.num_attention_heads``, ``num_key_value_heads`` and ``head_dim`` override the
+    target's where released drafters differ from it (Qwen3.5/3.6-class hybrids: 32 heads
+    of 128 against the target's 24 of 256)."""
     text, drafter = job.target_config.get_text_config(), job.cfg.drafter
     rope = getattr(text, "rope_parameters", None) or {}
     layer_types = drafter.get("layer_types")
@@ -119,9 +122,9 @@ def drafter_config(job: Job) -> DrafterConfig:
         hidden_size=text.hidden_size,
         intermediate_size=drafter.intermediate_size or text.intermediate_size,
         num_layers=drafter.num_layers,
-        num_attention_heads=text.num_attention_heads,
-        num_key_value_heads=text.num_key_value_heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        num_attention_heads=drafter.get("num_attention_heads") or text.num_attention_heads,
+        num_key_value_heads=drafter.get("num_key_value_heads") or text.num_key_value_heads,
+        head_dim=drafter.get("head_dim") or getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
         vocab_size=text.vocab_size,
         num_target_layers=text.num_hidden_layers,
         target_layer_ids=list(job.plan.layer_ids),
