@@ -14,10 +14,11 @@ install: $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 
 # one target process and one drafter process; speculative decoding on held-out prompts every 100
-# steps and at the end, then the pictures of the run in outputs/demo/report/
+# steps and at the end, then the pictures of the run in outputs/demo/report/; ARGS adds overrides
+# (make demo ARGS="drafter.variant=dflash2 drafter.block_size=8")
 demo: install
 	rm -rf outputs/demo
-	PYTHON=$(PY) NPROC=2 ./launch.sh topology.target_ranks=1 eval.every=100
+	PYTHON=$(PY) NPROC=2 ./launch.sh topology.target_ranks=1 eval.every=100 $(ARGS)
 	$(PY) -m dflash.report outputs/demo
 
 test: install

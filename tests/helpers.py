@@ -179,3 +179,13 @@ def reference_drafter(export_dir) -> nn.Module:
     model.fc = nn.Linear(features * config.hidden_size, config.hidden_size, bias=False)
     model.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
     return model
+
+
+def forward_on_noise(drafter: nn.Module, seed: int = 0) -> torch.Tensor:
+    """A tiny drafter's output (hidden 64, 3 target layers) on seeded random context
+    features at positions 0..8 and a block of 4 at 9..12: the same inputs for every
+    drafter compared."""
+    g = torch.Generator().manual_seed(seed)
+    ctx, blk = torch.randn(1, 9, 3 * 64, generator=g), torch.randn(1, 4, 64, generator=g)
+    with torch.no_grad():
+        return drafter(ctx, blk, torch.arange(9)[None], torch.arange(9, 13)[None])
