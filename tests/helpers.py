@@ -47,9 +47,10 @@ def greedy_reference(model: nn.Module, prompt: list[int], total: int) -> list[in
 
 
 def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_size: int = 4, seed: int = 0,
-                 layer_types=None, sliding_window=None) -> DFlashDrafter:
-    """Two layers; ``layer_types`` and ``sliding_window`` as in ``DrafterConfig`` (the
-    weights do not depend on them: one seed gives the same weights either way)."""
+                 layer_types=None, sliding_window=None, sliding_causal: bool = True) -> DFlashDrafter:
+    """Two layers; ``layer_types``, ``sliding_window`` and ``sliding_causal`` as in
+    ``DrafterConfig`` (the weights do not depend on them: one seed gives the same weights
+    either way)."""
     torch.manual_seed(seed)
     cfg = DrafterConfig(
         hidden_size=hidden,
@@ -65,6 +66,7 @@ def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_s
         block_size=block_size,
         layer_types=layer_types,
         sliding_window=sliding_window,
+        sliding_causal=sliding_causal,
     )
     return DFlashDrafter(cfg)
 

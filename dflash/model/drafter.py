@@ -118,7 +118,9 @@ class DrafterConfig:
     ``layer_types`` is ``None`` when every layer has full attention (an all-full list
     is stored as ``None``); a ``"sliding_attention"`` layer's query at position ``p``
     sees the keys at positions ``(p - sliding_window, p]``, context and block alike
-    (docs/DESIGN.md section 1).
+    (docs/DESIGN.md section 1). With ``sliding_causal`` false (z-lab's ``is_causal:
+    false``, as released DFlash2 drafters are configured) it also sees the block's
+    slots after it, up to ``p + sliding_window``.
 
     ``dflash2`` is ``None`` for a DFlash drafter; a :class:`DFlash2Config` adds the
     convolutions and the candidate selector (docs/DESIGN.md, DFlash2). Kept as one
@@ -142,9 +144,12 @@ class DrafterConfig:
     layer_types: list[str] | None = None
     sliding_window: int | None = None
     dflash2: DFlash2Config | None = None
+    sliding_causal: bool = True
 
     def __post_init__(self) -> None:
         check_layer_types(self.layer_types, self.num_layers, self.sliding_window)
+        if not isinstance(self.sliding_causal, bool):
+            raise ValueError(f"drafter.sliding_causal must be true or false, not {self.sliding_causal!r}")
         if isinstance(self.dflash2, dict):
             self.dflash2 = DFlash2Config(**self.dflash2)
         if self.dflash2 is not None and self.dflash2.conv_kernel_size > self.block_size:
@@ -152,6 +157,8 @@ class DrafterConfig:
                              f"size {self.block_size}: its taps would reach past the block")
         if self.layer_types is not None:
             self.layer_types = list(self.layer_types) if SLIDING in self.layer_types else None
+        if self.layer_types is None:
+            self.sliding_causal = True  # it shapes sliding layers alone
         if self.sliding_window is not None:
             self.sliding_window = int(self.sliding_window)
 
@@ -227,14 +234,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 Mask = BlockMask | torch.Tensor | None
 
 
-def window_mask(ctx_positions: torch.Tensor, block_positions: torch.Tensor, window: int) -> torch.Tensor:
+def window_mask(ctx_positions: torch.Tensor, block_positions: torch.Tensor, window: int,
+                causal: bool = True) -> torch.Tensor:
     """A sliding layer's mask at inference, ``[b, 1, B, S + B]``, from positions alone:
     the block query at ``p`` sees the keys at ``(p - window, p]`` among the context and
-    the block (z-lab's rule, docs/DESIGN.md section 1). Training builds its own from the
-    anchors (:mod:`dflash.objective.masks`); tests hold the two equal."""
+    the block, or not ``causal`` those at ``(p - window, p + window)`` (z-lab's rule,
+    docs/DESIGN.md section 1). Training builds its own from the anchors
+    (:mod:`dflash.objective.masks`); tests hold the two equal."""
     q = block_positions[:, None, :, None]
     k = torch.cat([ctx_positions, block_positions], dim=1)[:, None, None, :]
-    return (k <= q) & (q - k < window)
+    ahead = (k <= q) if causal else (k - q < window)
+    return ahead & (q - k < window)
 
 
 @functools.cache
@@ -395,7 +405,7 @@ class DFlashDrafter(nn.Module):
         if mask is not None:
             raise ValueError("a drafter with sliding layers takes a mask per layer type: "
                              f"{{{FULL!r}: ..., {SLIDING!r}: ...}}")
-        window = window_mask(ctx_positions, block_positions, self.config.sliding_window)
+        window = window_mask(ctx_positions, block_positions, self.config.sliding_window, self.config.sliding_causal)
         return [window if t == SLIDING else None for t in types]
 
     def forward(

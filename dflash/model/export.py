@@ -63,10 +63,12 @@ def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
         "tie_word_embeddings": False,
         "layer_types": cfg.attention_types,
         "max_window_layers": cfg.num_layers,
-        # HF's Qwen3Config keeps sliding_window only with use_sliding_window; no is_causal:
-        # z-lab and vLLM then make sliding layers causal and full ones bidirectional, as here
+        # HF's Qwen3Config keeps sliding_window only with use_sliding_window; without is_causal,
+        # z-lab and vLLM make sliding layers causal and full ones bidirectional; is_causal false
+        # makes every layer bidirectional, the sliding ones within their window both ways
         "use_sliding_window": cfg.sliding_window is not None,
         "sliding_window": cfg.sliding_window,
+        **({} if cfg.sliding_causal else {"is_causal": False}),
         "initializer_range": 0.02,
         "dtype": dtype,
         "block_size": cfg.block_size,
@@ -87,25 +89,32 @@ def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: str = "bfloa
     return publish(tmp, out)
 
 
-def attention_from_hf(config: dict) -> tuple[list[str] | None, int | None]:
-    """``layer_types`` and ``sliding_window`` of an HF config, refusing the attention this
-    drafter cannot run: a causality override (``is_causal``, ``dflash_config.causal``),
-    which would make full layers causal or sliding ones bidirectional, ``use_swa``, and
-    sliding layers whose window HF's Qwen3Config would drop (no ``use_sliding_window``)."""
+def attention_from_hf(config: dict) -> tuple[list[str] | None, int | None, bool]:
+    """``layer_types``, ``sliding_window`` and whether sliding layers are causal, from an HF
+    config, refusing the attention this drafter cannot run. z-lab's ``is_causal`` sets
+    every layer: ``false`` is the default for full layers and makes sliding ones look both
+    ways within their window (released DFlash2 drafters); ``true`` would make full layers
+    causal. Refused too: ``dflash_config.causal`` that differs from the default,
+    ``use_swa``, and sliding layers whose window HF's Qwen3Config would drop (no
+    ``use_sliding_window``)."""
     dflash = config.get("dflash_config", {})
     layer_types = config.get("layer_types")
     sliding = [t == SLIDING for t in layer_types or []]
-    for key, causal in (("is_causal", config.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
-        if causal is not None and any(s != bool(causal) for s in sliding or [False]):
-            raise ValueError(f"{key}={causal} overrides the attention of every layer; this drafter runs sliding "
-                             "layers causal and full layers bidirectional (z-lab's default) only")
+    is_causal = config.get("is_causal")
+    if is_causal and not all(sliding or [False]):
+        raise ValueError("is_causal=True makes full-attention layers causal; this drafter's full layers see their "
+                         "whole block")
+    causal = dflash.get("causal")
+    if causal is not None and any(s != bool(causal) for s in sliding or [False]):
+        raise ValueError(f"dflash_config.causal={causal} overrides the attention of every layer; this drafter runs "
+                         "sliding layers causal (or as is_causal=false sets them) and full layers bidirectional")
     if dflash.get("use_swa"):
         raise ValueError("dflash_config.use_swa (bidirectional sliding attention) is not supported")
     if not any(sliding):
-        return None, None
+        return None, None, True
     if not config.get("use_sliding_window", False):
         raise ValueError("layer_types has sliding layers but use_sliding_window is false, so HF drops sliding_window")
-    return list(layer_types), config.get("sliding_window")
+    return list(layer_types), config.get("sliding_window"), is_causal is not False
 
 
 def variant_from_hf(config: dict) -> DFlash2Config | None:
@@ -132,7 +141,7 @@ def drafter_config_from_hf(config: dict) -> DrafterConfig:
     dflash = config.get("dflash_config", {})
     block_size = config.get("block_size", dflash.get("block_size"))
     rope_theta = config.get("rope_theta") or config.get("rope_parameters", {}).get("rope_theta", 1_000_000.0)
-    layer_types, sliding_window = attention_from_hf(config)
+    layer_types, sliding_window, sliding_causal = attention_from_hf(config)
     return DrafterConfig(
         hidden_size=config["hidden_size"],
         intermediate_size=config["intermediate_size"],
@@ -150,6 +159,7 @@ def drafter_config_from_hf(config: dict) -> DrafterConfig:
         max_position_embeddings=config["max_position_embeddings"],
         layer_types=layer_types,
         sliding_window=sliding_window,
+        sliding_causal=sliding_causal,
         dflash2=variant_from_hf(config),
     )
 

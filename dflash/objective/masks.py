@@ -29,7 +29,7 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 
 def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
-                    starts: torch.Tensor | None = None) -> MaskMod:
+                    starts: torch.Tensor | None = None, causal: bool = True) -> MaskMod:
     """``anchors`` is ``[b, num_anchors]``; ``ctx_len`` the (padded) context length;
     ``starts`` ``[b, num_anchors]`` where each anchor's sample starts in a packed row
     (``None``: every row is one sample).
@@ -37,8 +37,9 @@ def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window
     With ``window`` (a sliding layer), the query at position ``p = anchor + slot`` keeps
     of those keys only the ones at positions ``(p - window, p]``: context keys after
     ``p - window``, and the slots of its own block up to its own, at most ``window`` of
-    them (z-lab's rule, docs/DESIGN.md section 1). A padded block still sees its own
-    slot, so no row is empty."""
+    them (z-lab's rule, docs/DESIGN.md section 1); not ``causal``, also the slots after
+    its own within ``window`` (z-lab's ``is_causal: false``). A padded block still sees
+    its own slot, so no row is empty."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         block = q_idx // block_size
@@ -56,7 +57,8 @@ def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window
         # positions relative to the anchor: the query's is its slot, a context key's is negative
         slot = q_idx % block_size
         key = torch.where(kv_idx < ctx_len, kv_idx - anchors[b, q_idx // block_size], (kv_idx - ctx_len) % block_size)
-        return mask_mod(b, h, q_idx, kv_idx) & (key <= slot) & (slot - key < window)
+        ahead = (key <= slot) if causal else (key - slot < window)
+        return mask_mod(b, h, q_idx, kv_idx) & ahead & (slot - key < window)
 
     return windowed
 
@@ -129,7 +131,7 @@ def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, devi
 
 def build_mask(
     anchors: torch.Tensor, ctx_len: int, block_size: int, use_flex: bool, window: int | None = None,
-    starts: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None, causal: bool = True,
 ) -> BlockMask | torch.Tensor:
     """The mask for one micro-batch, as a BlockMask (flex) or a dense bool tensor (SDPA);
     with ``window``, a sliding layer's (its BlockMask skips the tiles outside the window,
@@ -138,7 +140,7 @@ def build_mask(
     batch, num_anchors = anchors.shape
     q_len = num_anchors * block_size
     kv_len = ctx_len + q_len
-    mod = dflash_mask_mod(anchors, ctx_len, block_size, window, starts)
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, window, starts, causal)
     if use_flex:
         return flex_block_mask(mod, batch, q_len, kv_len, anchors.device)
     return dense_mask(mod, batch, q_len, kv_len, anchors.device)

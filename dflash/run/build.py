@@ -135,6 +135,7 @@ def drafter_config(job: Job) -> DrafterConfig:
         max_position_embeddings=text.max_position_embeddings,
         layer_types=None if layer_types is None else list(layer_types),
         sliding_window=drafter.get("sliding_window"),
+        sliding_causal=drafter.get("sliding_causal", True),
         dflash2=variant_config(drafter.get("variant", "dflash"), drafter),
     )
 

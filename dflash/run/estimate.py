@@ -43,10 +43,13 @@ class PlanError(ValueError):
 def sliding_keys(d: DrafterConfig, context: float) -> float:
     """Keys a block query of a sliding layer sees, on average over the block's slots: the
     positions ``(p - window, p]`` of the query at ``p = anchor + slot``, for an anchor with
-    ``context`` positions of its sample before it."""
+    ``context`` positions of its sample before it, and with ``sliding_causal`` false the
+    block's later slots within the window too."""
     if d.sliding_window is None:
         return 0.0
-    return sum(min(d.sliding_window, context + slot + 1) for slot in range(d.block_size)) / d.block_size
+    ahead = 0 if d.sliding_causal else sum(min(d.sliding_window - 1, d.block_size - 1 - slot)
+                                           for slot in range(d.block_size))
+    return (sum(min(d.sliding_window, context + slot + 1) for slot in range(d.block_size)) + ahead) / d.block_size
 
 
 def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int,

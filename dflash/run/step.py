@@ -132,6 +132,7 @@ class DrafterTrainer:
         self.device = next(drafter.parameters()).device
         self.use_flex = self.device.type == "cuda"
         self.sliding_window = drafter.config.sliding_window  # None unless some layer slides
+        self.sliding_causal = drafter.config.sliding_causal
         self.autocast = (
             torch.autocast(self.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
         )
@@ -208,7 +209,7 @@ class DrafterTrainer:
         mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex, starts=blocks.starts)
         if self.sliding_window is not None:  # sliding layers take a second, windowed mask
             mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, obj.block_size, self.use_flex,
-                                                    self.sliding_window, blocks.starts)}
+                                                    self.sliding_window, blocks.starts, self.sliding_causal)}
         ctx_positions = position_ids
         labels, weights = drafted(blocks.labels, obj.block_size), drafted(blocks.weights, obj.block_size)
         teacher_idx = teacher_logits = None

@@ -87,8 +87,23 @@ def test_sliding_layers_round_trip(tmp_path):
     assert not torch.allclose(forward_on_noise(tiny_drafter()), windowed)  # the window is applied
 
 
+def test_sliding_layers_that_look_both_ways_round_trip(tmp_path):
+    """``is_causal: false`` (released DFlash2 drafters): written, read back, and the later
+    block slots reach a sliding layer's earlier ones."""
+    drafter = tiny_drafter(**MIXED, sliding_causal=False).eval()
+    out = save_export(drafter, tmp_path / "export", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["is_causal"] is False
+    loaded = load_export(out)
+    assert loaded.config == drafter.config and not loaded.config.sliding_causal
+    assert torch.equal(forward_on_noise(drafter), forward_on_noise(loaded))
+    causal = tiny_drafter(**MIXED).eval()
+    causal.load_state_dict(drafter.state_dict())
+    assert not torch.allclose(forward_on_noise(causal), forward_on_noise(drafter))
+
+
 @pytest.mark.parametrize("change,message", [
-    ({"is_causal": False}, "is_causal=False"),
+    ({"is_causal": True}, "is_causal=True makes full-attention layers causal"),
     ({"dflash_config": {"causal": True}}, "dflash_config.causal=True"),
     ({"use_sliding_window": False}, "use_sliding_window"),
     ({"layer_types": ["sliding_attention"]}, "drafter.num_layers=2"),

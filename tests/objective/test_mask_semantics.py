@@ -54,7 +54,8 @@ def train_forward(drafter, head, features, blk_ids, anchors=ANCHORS):
     mask = build_mask(anchors, s, B, use_flex=False)
     window = drafter.config.sliding_window
     if window is not None:
-        mask = {FULL: mask, SLIDING: build_mask(anchors, s, B, use_flex=False, window=window)}
+        mask = {FULL: mask, SLIDING: build_mask(anchors, s, B, use_flex=False, window=window,
+                                                causal=drafter.config.sliding_causal)}
     with torch.no_grad():
         out = drafter(features, head.embed(blk_ids), torch.arange(s).expand(b, s), positions, mask)
     return out.view(b, anchors.shape[1], B, -1)
@@ -163,13 +164,16 @@ def test_unfilled_slot_sees_only_itself(setup, blocks, base):
 ALL_SLIDING = [SLIDING, SLIDING]
 
 
-@pytest.fixture(scope="module", params=[(ALL_SLIDING, 3), (ALL_SLIDING, 6), ([SLIDING, FULL], 3)],
-                ids=["all-sliding-3", "all-sliding-6", "mixed-3"])
+@pytest.fixture(scope="module", params=[(ALL_SLIDING, 3, True), (ALL_SLIDING, 6, True), ([SLIDING, FULL], 3, True),
+                                        (ALL_SLIDING, 3, False), ([SLIDING, FULL], 2, False)],
+                ids=["all-sliding-3", "all-sliding-6", "mixed-3", "all-sliding-3-both-ways", "mixed-2-both-ways"])
 def sliding(setup, request):
-    """``setup``'s drafter, weights and all, with sliding layers; and its training forward."""
+    """``setup``'s drafter, weights and all, with sliding layers (causal, or looking both ways
+    as z-lab's ``is_causal: false`` makes them); and its training forward."""
     drafter, head, ids, features = setup
-    layer_types, window = request.param
-    slider = tiny_drafter(block_size=B, layer_types=layer_types, sliding_window=window).double().eval()
+    layer_types, window, causal = request.param
+    slider = tiny_drafter(block_size=B, layer_types=layer_types, sliding_window=window,
+                          sliding_causal=causal).double().eval()
     slider.load_state_dict(drafter.state_dict())
     blocks = block_ids(ids, ANCHORS)
     return slider, head, features, blocks, train_forward(slider, head, features, blocks)
@@ -199,13 +203,20 @@ def test_context_before_every_window_is_invisible(sliding):
     assert (train_forward(drafter, head, changed, blocks)[r, j, 0] - trained[r, j, 0]).abs().max() > 1e-4
 
 
-def test_sliding_layers_are_causal_in_the_block(sliding):
+def test_sliding_layers_look_ahead_in_the_block_only_when_not_causal(sliding):
+    """Causal sliding layers keep a slot from the later ones; looking both ways, a slot
+    within the window of a later one sees it, and one further back does not (without a
+    full layer to carry it)."""
     drafter, head, features, blocks, trained = sliding
     changed = blocks.clone()
     changed[0, 1 * B + 3] = 5  # last slot of block 1, row 0
     after = train_forward(drafter, head, features, changed)
-    earlier = (after[0, 1, :3] - trained[0, 1, :3]).abs().max()
+    moved = (after[0, 1, :3] - trained[0, 1, :3]).abs().amax(-1)
+    w = drafter.config.sliding_window
     if FULL in drafter.config.layer_types:  # the full layer is bidirectional
-        assert earlier > 1e-4
+        assert moved.max() > 1e-4
+    elif drafter.config.sliding_causal:
+        assert moved.max() == 0
     else:
-        assert earlier == 0
+        assert (moved[3 - w + 1 :] > 1e-6).all()  # slots within the window of slot 3
+        assert (moved[: max(0, 3 - 2 * (w - 1))] == 0).all()  # beyond two windows even two layers cannot reach
