@@ -58,7 +58,7 @@ def propose(
     ``anchor`` token, and the draft logits ``[n, V]`` whose softmax at ``temperature`` is
     the distribution they were drawn from (what :func:`dflash.decode.speculative.accept`
     needs). A DFlash2 drafter's logits are its candidate scores, ``-inf`` elsewhere."""
-    logits = head.logits(hidden).float()
+    logits = drafter.draft_logits(head, hidden)
     if drafter.config.dflash2 is None:
         return sample(logits, temperature, generator), logits
     selector = drafter.candidate_selector

@@ -145,6 +145,11 @@ class DrafterConfig:
     sliding_window: int | None = None
     dflash2: DFlash2Config | None = None
     sliding_causal: bool = True
+    # z-lab's dflash_config transforms, which released drafters of some families carry: the
+    # block embeddings scaled, the draft logits multiplied, then soft-capped (c * tanh(x / c))
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         check_layer_types(self.layer_types, self.num_layers, self.sliding_window)
@@ -161,6 +166,13 @@ class DrafterConfig:
             self.sliding_causal = True  # it shapes sliding layers alone
         if self.sliding_window is not None:
             self.sliding_window = int(self.sliding_window)
+
+    @property
+    def transforms(self) -> dict[str, float | None]:
+        """The embedding and logit transforms that differ from none (empty for drafters
+        trained here)."""
+        identity = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+        return {k: getattr(self, k) for k, v in identity.items() if getattr(self, k) != v}
 
     @property
     def variant(self) -> str:
@@ -427,6 +439,8 @@ class DFlashDrafter(nn.Module):
 
         Blocks are ``config.block_size`` long when a training mask is given; without one
         (inference) ``block_embeds`` is a single block of any length."""
+        if self.config.input_embedding_scale != 1.0:
+            block_embeds = block_embeds * self.config.input_embedding_scale
         ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
         rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
         rope_block = self.rotary(block_positions, block_embeds.dtype)
@@ -439,6 +453,18 @@ class DFlashDrafter(nn.Module):
             cut = self.config.block_size if drafted_only and i == last else None
             x = layer(x, ctx, rope_block, rope_ctx, masks[i], cut, **conv)
         return self.norm(x)
+
+    def draft_logits(self, head: "TargetHead", hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 draft logits of final-normed ``hidden`` through the target's LM head, with
+        the config's logit transforms (a multiplier, then soft-capping) as the serving
+        engines apply them."""
+        logits = head.logits(hidden).float()
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 class TargetHead(nn.Module):

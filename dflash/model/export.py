@@ -30,9 +30,6 @@ from dflash.model.drafter import SLIDING, DFlash2Config, DFlashDrafter, DrafterC
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-# dflash_config fields that transform the drafter's logits or embeddings; this drafter has
-# neither transform, so an export asking for one is refused rather than drafted without it
-UNSUPPORTED_TRANSFORMS = {"output_multiplier": 1.0, "final_logit_softcapping": None, "input_embedding_scale": 1.0}
 
 
 def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
@@ -43,6 +40,7 @@ def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
     }
     if cfg.dflash2 is not None:
         dflash.update(asdict(cfg.dflash2))
+    dflash.update(cfg.transforms)
     return {
         "architectures": [ARCHITECTURES[cfg.variant]],
         "model_type": "qwen3",
@@ -124,10 +122,6 @@ def variant_from_hf(config: dict) -> DFlash2Config | None:
     if not set(architectures) & set(ARCHITECTURES.values()):
         raise ValueError(f"not a DFlash or DFlash2 drafter export (architectures={architectures})")
     dflash = config.get("dflash_config", {})
-    for key, identity in UNSUPPORTED_TRANSFORMS.items():
-        if dflash.get(key, identity) != identity:
-            raise ValueError(f"dflash_config.{key}={dflash[key]} transforms the drafter's logits or embeddings, "
-                             "which this drafter does not do")
     if ARCHITECTURES["dflash2"] not in architectures:
         return None
     names = [f.name for f in fields(DFlash2Config)]
@@ -161,6 +155,8 @@ def drafter_config_from_hf(config: dict) -> DrafterConfig:
         sliding_window=sliding_window,
         sliding_causal=sliding_causal,
         dflash2=variant_from_hf(config),
+        **{k: dflash[k] for k in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping")
+           if dflash.get(k) is not None},
     )
 
 
@@ -187,9 +183,14 @@ MUST_MATCH = ("hidden_size", "intermediate_size", "num_layers", "num_attention_h
 def init_from(drafter: DFlashDrafter, path: str | Path) -> None:
     """Load an export's weights (``drafter.init_from``) into ``drafter``, which was built
     for the target, after checking that they fit: the same shapes, target layers, mask
-    token and variant. Block size and attention may differ: they shape no weight."""
+    token and variant, and no embedding or logit transform. Block size and attention may
+    differ: they shape no weight."""
     path = Path(path)
     theirs = drafter_config_from_hf(json.loads((path / "config.json").read_text()))
+    if theirs.transforms:
+        raise ValueError(f"drafter.init_from={path} transforms its embeddings or logits ({theirs.transforms}); "
+                         "training here applies none, so its weights would train on other logits than they "
+                         "serve with (dflash.eval decodes it as it is)")
     mine = drafter.config
     differ = [f"{k}: {getattr(theirs, k)} there, {getattr(mine, k)} here" for k in MUST_MATCH
               if getattr(theirs, k) != getattr(mine, k)]

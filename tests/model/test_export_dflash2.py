@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import forward_on_noise, tiny_drafter
+from helpers import forward_on_noise, tiny_drafter, tiny_head
 from safetensors import safe_open
 
 from dflash.model.drafter import DFlash2Config, DFlashDrafter, DrafterConfig
-from dflash.model.export import hf_config, init_from, load_export, save_export
+from dflash.model.export import drafter_config_from_hf, hf_config, init_from, load_export, save_export
 
 REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures" / "dflash2_reference.json").read_text())
 SELECTOR = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
@@ -49,8 +49,8 @@ def test_config_has_the_released_fields():
     cfg = hf_config(reference_drafter_config(), "bfloat16")
     ref = REFERENCE["config"]
     assert cfg["architectures"] == ref["architectures"] == ["DFlash2DraftModel"]
-    # every field of the released config but the tokenizer ids, the attention override and
-    # the logit transforms, which this drafter does not have
+    # every field of the released config but the tokenizer ids, and the attention override and
+    # logit transforms, which a drafter trained here (as this config is) has none of
     assert set(ref) - set(cfg) <= {"bos_token_id", "eos_token_id", "pad_token_id", "is_causal", "rope_parameters",
                                    "transformers_version", "use_cache"}
     assert set(ref["dflash_config"]) - set(cfg["dflash_config"]) == {"final_logit_softcapping", "output_multiplier"}
@@ -79,13 +79,43 @@ def test_round_trip_gives_identical_outputs_and_selector(tmp_path):
                 "layers.1.mlp_conv.base_kernel"} <= set(f.keys())
 
 
-def test_logit_transforms_are_refused(tmp_path):
-    out = save_export(tiny_dflash2(), tmp_path / "export")
-    cfg = json.loads((out / "config.json").read_text())
-    cfg["dflash_config"]["output_multiplier"] = 0.5
-    (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="output_multiplier"):
-        load_export(out)
+def test_logit_and_embedding_transforms_round_trip_and_shape_the_drafts(tmp_path):
+    """A released drafter's dflash_config transforms (the fixture's multiplier and
+    soft-cap, an embedding scale) load and export unchanged; decoding's draft logits are
+    the head's logits multiplied, then capped at c * tanh(x / c); the block embeddings are
+    scaled inside the forward. Training from such a drafter is refused."""
+    ref = REFERENCE["config"]["dflash_config"]
+    transforms = {"output_multiplier": ref["output_multiplier"], "final_logit_softcapping": ref["final_logit_softcapping"],
+                  "input_embedding_scale": 2.0}
+    plain = tiny_dflash2()
+    drafter = DFlashDrafter(dataclasses.replace(plain.config, **transforms)).eval()
+    drafter.load_state_dict(plain.state_dict())
+    out = save_export(drafter, tmp_path / "export", dtype="float32")
+    assert {k: json.loads((out / "config.json").read_text())["dflash_config"][k] for k in transforms} == transforms
+    loaded = load_export(out)
+    assert loaded.config.transforms == transforms
+    head = tiny_head()
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    raw = (hidden @ head.lm_head_weight.T).double() * ref["output_multiplier"]
+    cap = ref["final_logit_softcapping"]
+    torch.testing.assert_close(loaded.draft_logits(head, hidden).double(), cap * torch.tanh(raw / cap),
+                               rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(3)
+    ctx, blk = torch.randn(1, 9, 3 * 64, generator=g), torch.randn(1, 4, 64, generator=g)
+    cpos, bpos = torch.arange(9)[None], torch.arange(9, 13)[None]
+    with torch.no_grad():
+        assert torch.equal(loaded(ctx, blk, cpos, bpos), plain(ctx, 2.0 * blk, cpos, bpos))
+    with pytest.raises(ValueError, match="transforms its embeddings or logits"):
+        init_from(tiny_dflash2(), out)
+
+
+def test_the_released_config_loads():
+    """The released checkpoint's config.json, sliding layers that look both ways and logit
+    transforms included, reads into a drafter config."""
+    config = drafter_config_from_hf(REFERENCE["config"])
+    assert config.variant == "dflash2" and not config.sliding_causal and config.sliding_window == 2048
+    assert config.transforms == {k: REFERENCE["config"]["dflash_config"][k]
+                                 for k in ("output_multiplier", "final_logit_softcapping")}
 
 
 @pytest.mark.parametrize("variant", ["dflash", "dflash2"])
