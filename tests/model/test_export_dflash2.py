@@ -10,7 +10,13 @@ from helpers import forward_on_noise, tiny_drafter, tiny_head
 from safetensors import safe_open
 
 from dflash.model.drafter import DFlash2Config, DFlashDrafter, DrafterConfig
-from dflash.model.export import drafter_config_from_hf, hf_config, init_from, load_export, save_export
+from dflash.model.export import (
+    drafter_config_from_hf,
+    hf_config,
+    init_from,
+    load_export,
+    save_export,
+)
 
 REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures" / "dflash2_reference.json").read_text())
 SELECTOR = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
