@@ -9,7 +9,8 @@ order, so a phase cannot exist on one side only::
     warmup(warm, turn)      staggered compile turns (later turns load the compiled artifacts
                             of their role's first rank), then everyone's warmup report
     ... training: bundles on the pair groups, gradients on the drafter group;
-        targets poll stopped(), the metrics rank calls announce_stop(step) ...
+        targets ask proceed(m) before each micro-batch (the group's leader polls the
+        stop signal and tells its group), the metrics rank calls announce_stop(step) ...
     final_step()            targets wait for that announcement
     export_written()        the metrics rank has written export/
     summaries(summary)      every rank's end-of-run summary
@@ -17,7 +18,10 @@ order, so a phase cannot exist on one side only::
 
 Two planes. Tensors (bundles, gradients) travel on NCCL groups on the GPU
 (gloo on the CPU): one group per (target, drafter) pair, so a pair's messages
-never queue behind another pair's, and one group of the drafter ranks. Control
+never queue behind another pair's, and one group of the drafter ranks. With a
+tensor-parallel target (``target.tensor_parallel=k``) each group of ``k`` target
+ranks also has a group of its own for the sharded prefill's reductions, and only
+its leader has pairs: a follower sends nothing. Control
 (step counts, barriers, warmup turns, the stop signal, summaries) travels
 through the rendezvous store: every control phase is "each rank writes its key,
 then waits for the keys of the ranks it needs", so a rank that waits too long
@@ -93,6 +97,7 @@ class Protocol:
         self.store: dist.Store | None = None
         self.pairs: dict[tuple[int, int], dist.ProcessGroup] = {}
         self.drafters: dist.ProcessGroup | None = None
+        self.target_group: dist.ProcessGroup | None = None  # this rank's tensor-parallel group, if any
         self.eval_link: dist.ProcessGroup | None = None  # target 0 and the metrics rank (dflash.decode.live)
 
     @property
@@ -133,10 +138,15 @@ class Protocol:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, store=store, rank=topo.rank, world_size=topo.world_size, timeout=backend_timeout)
             # every rank creates every group in one order; non-members get NON_GROUP_MEMBER
-            for t in range(topo.num_targets):
+            for t in topo.senders:
                 for d in topo.drafter_ranks:
                     self.pairs[(t, d)] = dist.new_group([t, d], timeout=backend_timeout, group_desc=f"bundles_t{t}_d{d}")
             self.drafters = dist.new_group(topo.drafter_ranks, timeout=backend_timeout, group_desc="drafters")
+            if topo.tensor_parallel > 1:
+                for ranks in topo.target_groups:
+                    group = dist.new_group(ranks, timeout=backend_timeout, group_desc=f"tensor_parallel_{ranks[0]}")
+                    if self.rank in ranks:
+                        self.target_group = group
             if self.wants_eval_link:
                 self.eval_link = dist.new_group([0, topo.metrics_rank], timeout=backend_timeout,
                                                 group_desc="eval_weights")
@@ -172,6 +182,13 @@ class Protocol:
                     dist.isend(buf, dst=peer, group=self.eval_link).wait()
                 if int(buf.item()) != topo.metrics_rank:
                     raise ProtocolError(f"rank {self.rank}: first contact on the evaluation link carried {int(buf.item())}")
+        if self.target_group is not None:
+            members = [r for r in topo.group_of(self.rank) if r != self.rank]
+            with self._failing("first all-reduce of the tensor-parallel target group", init, members):
+                one = torch.ones(1, device=self.device)
+                dist.all_reduce(one, group=self.target_group)
+                if int(one.item()) != topo.tensor_parallel:
+                    raise ProtocolError(f"rank {self.rank}: tensor-parallel group counted {int(one.item())} ranks")
         if not topo.is_target:
             with self._failing("first all-reduce of the drafter group", init, self.other_drafters()):
                 one = torch.ones(1, device=self.device)
@@ -269,6 +286,23 @@ class Protocol:
     def stopped(self) -> bool:
         """Has the metrics rank announced the end of training? (targets, per micro-batch)"""
         return self.store.check(["stop"])
+
+    def proceed(self, m: int) -> bool:
+        """Targets, before micro-batch ``m``: go on unless training stopped. The ranks of a
+        tensor-parallel group must agree, or one would enter a prefill whose reductions
+        the others never join: the leader polls the stop signal and writes its answer,
+        the others wait for it (bounded by ``step_s``)."""
+        topo = self.topo
+        if topo.tensor_parallel == 1:
+            return not self.stopped()
+        leader, key = topo.leader(self.rank), f"proceed/{topo.leader(self.rank)}/{m}"
+        if self.rank == leader:
+            go = not self.stopped()
+            self.store.set(key, "1" if go else "0")
+            return go
+        self._wait([key], f"waiting for target rank {leader} to start micro-batch {m}", [leader],
+                   self.timeouts.step_s)
+        return self.store.get(key) == b"1"
 
     def announce_stop(self, step: int) -> None:
         """The metrics rank: training ended at ``step`` (completed, or SIGTERM)."""

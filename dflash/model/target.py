@@ -360,15 +360,14 @@ class TargetSource:
         config = self.config()
         if self.is_random:
             return random_target(config, device, dtype, self.seed)
-        model = AutoModelForCausalLM.from_pretrained(
-            resolve_path(self.path),
-            config=config,
-            dtype=dtype,
-            trust_remote_code=self.trust_remote_code,
-            local_files_only=True,
-            attn_implementation=attention_implementation(config),
-        ).to(device)
+        model = AutoModelForCausalLM.from_pretrained(resolve_path(self.path), **self.loading(config, dtype)).to(device)
         return model.eval().requires_grad_(False)
+
+    def loading(self, config: PretrainedConfig, dtype: torch.dtype) -> dict:
+        """What ``from_pretrained`` takes besides the path, for every way of loading the target
+        (whole here, sharded in :mod:`dflash.distributed.tensor_parallel`)."""
+        return dict(config=config, dtype=dtype, trust_remote_code=self.trust_remote_code, local_files_only=True,
+                    attn_implementation=attention_implementation(config))
 
     def head(self, device: torch.device, dtype: torch.dtype) -> TargetHead:
         """Only the embedding and LM head, read straight from the safetensors.

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
@@ -23,8 +24,9 @@ from dflash.data.bundle import MicroBatch, random_batch, random_prefill
 from dflash.data.dataset import Dataset, DataSettings, load_dataset, synthetic_dataset
 from dflash.data.order import PackedOrder, SampleOrder, collate
 from dflash.device import pick_device
+from dflash.distributed import tensor_parallel
 from dflash.distributed.protocol import Protocol, Timeouts
-from dflash.distributed.topology import Topology, auto_target_ranks
+from dflash.distributed.topology import Topology, TopologyError, auto_target_ranks
 from dflash.model.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -58,6 +60,7 @@ class Job:
     device: torch.device
     dtype: torch.dtype  # the target's weights and the drafter's autocast
     compile: CompileSettings
+    tensor_parallel: int = 1  # target ranks per target replica (target.tensor_parallel)
 
 
 def build_job(cfg: DictConfig) -> Job:
@@ -68,7 +71,27 @@ def build_job(cfg: DictConfig) -> Job:
     plan = resolve_plan(cfg, target_config, tokenizer)
     device, dtype = pick_device()
     compile_settings = resolve_settings(OmegaConf.to_container(cfg.compile), device, len(plan.buckets))
-    return Job(cfg, source, target_config, tokenizer, plan, run_settings(cfg), device, dtype, compile_settings)
+    k = int(cfg.target.get("tensor_parallel", 1))
+    if k > 1:
+        check_tensor_parallel(cfg, k)
+        tensor_parallel.check_heads(target_config, k)
+        # the sharded layers run collectives inside; the prefill runs eager
+        compile_settings = replace(compile_settings, target=False)
+    return Job(cfg, source, target_config, tokenizer, plan, run_settings(cfg), device, dtype, compile_settings, k)
+
+
+def check_tensor_parallel(cfg: DictConfig, k: int) -> None:
+    """What a tensor-parallel target cannot do, refused on every rank before anything
+    loads: a colocated layout (each rank would hold a whole target) and evaluation while
+    training (target rank 0 decodes alone, and its group's reductions need every rank)."""
+    if cfg.topology.mode == "colocated":
+        raise TopologyError(f"target.tensor_parallel={k} shards the target over target ranks of a split; "
+                            "topology.mode=colocated holds a whole target on every rank: use topology.mode=auto "
+                            "or disaggregated, or target.tensor_parallel=1")
+    if cfg.eval.every:
+        raise ValueError(f"eval.every={cfg.eval.every}: evaluation while training decodes on target rank 0 alone, "
+                         f"which a target sharded over {k} ranks cannot do; set eval.every=0 (score the export "
+                         "with dflash.eval or a serving engine)")
 
 
 def timeouts(cfg: DictConfig) -> Timeouts:
@@ -79,11 +102,17 @@ def timeouts(cfg: DictConfig) -> Timeouts:
 
 def build_topology(job: Job, targets: int) -> Topology | None:
     """``None`` for one process; under torchrun, colocated data-parallel ranks
-    (``targets`` 0) or a split into ``targets`` target ranks and drafter ranks."""
+    (``targets`` 0) or a split into ``targets`` target ranks (in groups of
+    ``target.tensor_parallel``, each on one node) and drafter ranks."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world == 1:
+        if job.tensor_parallel > 1:
+            raise TopologyError(f"target.tensor_parallel={job.tensor_parallel} needs torchrun with at least "
+                                f"{job.tensor_parallel + 1} processes (the target group and a drafter rank)")
         return None
-    return job.plan.topology(world, int(os.environ["RANK"]), targets)
+    tensor_parallel.check_placement(job.tensor_parallel, tensor_parallel.ranks_per_node(world))
+    plan = job.plan
+    return Topology(world, int(os.environ["RANK"]), targets, plan.micro_batch_size, plan.batch_size, job.tensor_parallel)
 
 
 def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:
@@ -100,7 +129,8 @@ def split_by_flops(job: Job, world: int, target: nn.Module, drafter: DFlashDraft
     target_params = sum(p.numel() for p in target.parameters())
     head_params = target.get_output_embeddings().weight.numel()
     drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
-    return auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len)
+    return auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len,
+                             job.tensor_parallel)
 
 
 def auto_split(job: Job, world: int) -> int:
@@ -191,10 +221,18 @@ def check_packing(target: Target, dtype: torch.dtype) -> None:
              type(target.model).__name__, error)
 
 
-def build_target_side(job: Job) -> TargetSide:
+def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> TargetSide:
+    """The target (this rank's shard of it over ``group``, a tensor-parallel target
+    group), the data and the sample order."""
     cfg, plan = job.cfg, job.plan
     tokenizer = job.tokenizer
-    target = Target(job.source.model(job.device, job.dtype), list(plan.layer_ids))
+    if group is None:
+        model = job.source.model(job.device, job.dtype)
+    else:
+        model = tensor_parallel.load_target(job.source, job.device, job.dtype, group)
+        log.info("target sharded over ranks %s with transformers' tensor-parallel plan",
+                 dist.get_process_group_ranks(group))
+    target = Target(model, list(plan.layer_ids))
     if plan.packing:
         if job.device.type == "cuda" and target.attend_packed_with_flex():
             log.info("train.packing: the target attends with flex attention, skipping other samples' tiles")

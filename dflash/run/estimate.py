@@ -19,6 +19,7 @@ import torch
 
 from dflash.data.bundle import MicroBatch, shapes
 from dflash.data.dataset import synthetic_lengths
+from dflash.distributed import tensor_parallel
 from dflash.distributed.topology import Topology, TopologyError
 from dflash.model.drafter import FULL, DrafterConfig
 from dflash.model.target import decoder_layers
@@ -96,6 +97,16 @@ def dflash2_flops(d: DrafterConfig, num_anchors: int, vocab_size: int) -> float:
     )
 
 
+def active_params(layer: torch.nn.Module, text) -> float:
+    """The parameters of a decoder layer that one token runs through: of the routed experts
+    (the ``experts`` module's weights) only ``num_experts_per_tok`` of every expert count;
+    the router, a shared expert and everything else count whole."""
+    experts = next((getattr(text, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(text, key, None)), None)
+    share = getattr(text, "num_experts_per_tok", 0) / experts if experts else 1.0
+    return sum(p.numel() * (share if ".experts." in f".{name}" else 1.0) for name, p in layer.named_parameters())
+
+
 def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int],
                   keys_per_token: float | None = None) -> float:
     """Inference FLOPs of one row over the decoder layers that run: 2 x params x tokens
@@ -106,7 +117,7 @@ def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_i
     text = model.config.get_text_config()
     layers = decoder_layers(model)
     run = len(layers) if with_head else max(layer_ids) + 1
-    params = sum(p.numel() for layer in layers[:run] for p in layer.parameters())
+    params = sum(active_params(layer, text) for layer in layers[:run])
     if with_head:
         params += model.get_output_embeddings().weight.numel()
     q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
@@ -157,9 +168,10 @@ class Estimate:
     device_gib: float
     target_flops: float  # per sample
     drafter_flops: float  # per sample
-    target_rate: float  # samples/s of one target rank
+    target_rate: float  # samples/s of one target rank (a group of k: k times this)
     drafter_rate: float  # samples/s of one drafter rank
     rates_from: str
+    tensor_parallel: int = 1  # target ranks per target replica
 
     @property
     def colocated(self) -> bool:
@@ -232,18 +244,25 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     context, keys, _ = packed_attention(job)
     t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids), keys)
     d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size, context)
+    k = job.tensor_parallel
+    if k > 1 and world_size == 1:
+        raise TopologyError(f"target.tensor_parallel={k} needs at least {k + 1} ranks (estimate.nproc, or torchrun)")
     auto = split_by_flops(job, world_size, target, drafter) if world_size > 1 else 0
     num_targets = auto if targets == "auto" else int(targets)
     if world_size > 1:
-        Topology(world_size, 0, num_targets, plan.micro_batch_size, plan.batch_size)  # raises with the key to change
+        # raise with the key to change
+        Topology(world_size, 0, num_targets, plan.micro_batch_size, plan.batch_size, k)
+        tensor_parallel.check_placement(k, tensor_parallel.ranks_per_node(world_size))
     bundle = _bundle_bytes(plan, dtype)
     micro, h = plan.micro_batch_size, text.hidden_size
     tokens = micro * seq_len
     in_flight = job.cfg.topology.max_in_flight if num_targets else 0
     target_gib = {
-        "weights": target_params * dtype_bytes / GIB,
-        # one decoder layer's working set at a time, the captured features, and the logits for the KL
-        "activations": tokens * (6 * h + 3 * text.intermediate_size) * dtype_bytes / GIB
+        # a tensor-parallel rank holds 1/k of every weight (norms and routers, a few MB, whole)
+        "weights": target_params * dtype_bytes / k / GIB,
+        # one decoder layer's working set at a time (its sharded MLP width 1/k), the captured
+        # features, and the logits for the KL (gathered whole on every rank of a group)
+        "activations": tokens * (6 * h + 3 * text.intermediate_size / k) * dtype_bytes / GIB
         + tokens * plan.feature_dim * dtype_bytes / GIB
         + (tokens * text.vocab_size * 4 / GIB if plan.topk else 0.0),
         "bundles in flight": in_flight * bundle / GIB,
@@ -270,7 +289,7 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     target_rate, drafter_rate, rates_from = _rates(job, t_flops, d_flops, cuda_plan)
     return Estimate(
         world_size, num_targets, auto, target_params, drafter_params, head_params, bundle, plan.micro_per_step,
-        target_gib, drafter_gib, _device_gib(job), t_flops, d_flops, target_rate, drafter_rate, rates_from,
+        target_gib, drafter_gib, _device_gib(job), t_flops, d_flops, target_rate, drafter_rate, rates_from, k,
     )
 
 
@@ -288,7 +307,9 @@ def layout_options(job: Job, world_size: int) -> list[Estimate]:
     :class:`TopologyError` if the batch allows none."""
     models = meta_models(job)
     options = []
-    for targets in range(world_size):
+    k = job.tensor_parallel
+    splits = range(world_size) if k == 1 else range(k, world_size, k)  # a sharded target has no colocated layout
+    for targets in splits:
         try:
             options.append(estimate(job, world_size, targets, models))
         except TopologyError:
@@ -324,12 +345,20 @@ def format_options(options: list[Estimate], chosen: int, packing: bool = False) 
     (rows with ``packing``); ``chosen`` target ranks is this run's."""
     lines = ["  layouts (topology.mode=auto with topology.target_ranks=auto takes the fastest that fits):"]
     unit = "rows" if packing else "samples"
-    for e in options:
-        name = "colocated data-parallel" if e.colocated else f"{e.num_targets} target / {e.world_size - e.num_targets} drafter"
+    names = [layout_name(e) for e in options]
+    width = max(26, *map(len, names))
+    for e, name in zip(options, names):
         verdict = "this run" if e.num_targets == chosen else "fits" if fits(e) else "does not fit"
-        lines.append(f"    {name:<26} {rank_gib(e):6.1f} GiB per rank, {e.samples_per_s / e.world_size:6.2f} {unit}/s "
+        lines.append(f"    {name:<{width}} {rank_gib(e):6.1f} GiB per rank, {e.samples_per_s / e.world_size:6.2f} {unit}/s "
                      f"per GPU  {verdict}")
     return "\n".join(lines)
+
+
+def layout_name(e: Estimate) -> str:
+    if e.colocated:
+        return "colocated data-parallel"
+    name = f"{e.num_targets} target / {e.world_size - e.num_targets} drafter"
+    return name + (f" ({e.num_targets // e.tensor_parallel} x TP{e.tensor_parallel})" if e.tensor_parallel > 1 else "")
 
 
 def resolve_targets(job: Job, options: list[Estimate]) -> int:
@@ -364,6 +393,10 @@ def check_fits(e: Estimate) -> None:
             )
 
 
+def _groups(num_targets: int, k: int) -> list[list[int]]:
+    return [list(range(first, first + k)) for first in range(0, num_targets, k)]
+
+
 def _gib(parts: dict[str, float]) -> str:
     return " + ".join(f"{v:.1f} {k}" for k, v in parts.items()) + f" = {sum(parts.values()):.1f} GiB"
 
@@ -383,13 +416,19 @@ def format_estimate(job: Job, e: Estimate) -> str:
     else:
         drafters = e.world_size - e.num_targets
         span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"  # noqa: E731
+        k = e.tensor_parallel
+        shards = "" if k == 1 else f", 1/{k} per rank"
         lines += [
-            f"  rank {span(0, e.num_targets - 1):<8} target     {e.target_params / 1e9:.2f}B frozen params: {_gib(e.target_gib)}",
+            f"  rank {span(0, e.num_targets - 1):<8} target     {e.target_params / 1e9:.2f}B frozen params{shards}: "
+            f"{_gib(e.target_gib)}",
             f"  rank {span(e.num_targets, e.world_size - 1):<8} drafter    {e.drafter_params / 1e9:.3f}B trainable params: "
             f"{_gib(e.drafter_gib)}",
             f"  rank {e.num_targets:<8} metrics    writes metrics.jsonl, checkpoints and the export",
             f"  split: {e.num_targets} target / {drafters} drafter ranks (topology.target_ranks=auto would choose "
             f"{e.auto_targets}); {plan.micro_per_step // drafters} micro-batch(es) per drafter per step",
+            *([f"  target groups: {e.num_targets // k} of {k} ranks on one node, transformers' tensor-parallel plan "
+               f"({', '.join(str(g[0]) + '-' + str(g[-1]) for g in _groups(e.num_targets, k))}); each group prefills "
+               "as one target, its first rank sends the bundles"] if k > 1 else []),
             f"  bundle: {e.bundle_bytes / 1e6:.1f} MB per micro-batch of {plan.micro_batch_size}, "
             f"{e.bundle_bytes * e.micro_per_step / 1e9:.2f} GB per optimizer step",
         ]
@@ -419,4 +458,7 @@ def format_estimate(job: Job, e: Estimate) -> str:
             f"{e.rates_from}: {e.samples_per_s:.2f} {unit}/s, {e.samples_per_s / e.world_size:.2f} per GPU"
             + (f", {e.samples_per_s * plan.max_len / e.world_size:,.0f} tokens/s per GPU" if plan.packing else "")
         )
+        if e.tensor_parallel > 1:
+            lines.append(f"  (a group of {e.tensor_parallel} counted at {e.tensor_parallel}x one rank's rate: its "
+                         "per-layer all-reduces are not counted, so the target side is an upper bound)")
     return "\n".join(lines)

@@ -188,9 +188,11 @@ def warm_in_turn(job: Job, topo: Topology, proto: Protocol, warm: Callable[[], N
 
 def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     """Produce this rank's micro-batches in schedule order and send each to its drafter,
-    until the data ends or the drafters say training stopped."""
+    until the data ends or the drafters say training stopped. The ranks of a
+    tensor-parallel group prefill each of their group's micro-batches together; only
+    the group's leader sends."""
     plan, device, settings = job.plan, job.device, job.settings
-    side = build_target_side(job)
+    side = build_target_side(job, proto.target_group)
     startup.mark("the target and the data")
     if topo.rank == 0:
         check_evaluation(settings, side)
@@ -211,27 +213,32 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
             server.interrupt()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    sends = topo.is_sender
     try:
         for m in topo.produced_by(topo.rank, first, last):
-            if proto.stopped():
+            if not proto.proceed(m):
                 break
             if server:
                 server.serve()
             drafter = topo.consumer(m)
-            with proto.phase(f"producing micro-batch {m} for drafter {drafter}", proto.timeouts.step_s, [drafter]):
+            peers = [drafter] + [r for r in topo.group_of(topo.rank) if r != topo.rank]
+            with proto.phase(f"producing micro-batch {m} for drafter {drafter}", proto.timeouts.step_s, peers):
                 batch, prefill = side.produce(m)
                 guard.check(f"target rank {topo.rank}, micro-batch {m}")
-                sender.send(drafter, m, batch, prefill)
+                if sends:
+                    sender.send(drafter, m, batch, prefill)
     except BaseException:
-        for drafter in topo.drafter_ranks:
-            sender.send_flag(drafter, -1, FLAG_ABORT)
-        if not sender.deliver(ABORT_DELIVERY_S):
-            log.warning("the abort flag did not reach every drafter within %g s", ABORT_DELIVERY_S)
+        if sends:
+            for drafter in topo.drafter_ranks:
+                sender.send_flag(drafter, -1, FLAG_ABORT)
+            if not sender.deliver(ABORT_DELIVERY_S):
+                log.warning("the abort flag did not reach every drafter within %g s", ABORT_DELIVERY_S)
         raise
-    for drafter in topo.drafter_ranks:
-        sender.send_flag(drafter, last, FLAG_END)
-    with proto.phase("delivering the last bundles", proto.timeouts.step_s, topo.drafter_ranks):
-        sender.drain()
+    if sends:
+        for drafter in topo.drafter_ranks:
+            sender.send_flag(drafter, last, FLAG_END)
+        with proto.phase("delivering the last bundles", proto.timeouts.step_s, topo.drafter_ranks):
+            sender.drain()
     if server:
         server.until_stopped(steps)
     final_step = proto.final_step()
@@ -240,7 +247,10 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     if server:
         summary.update(eval_s=round(server.eval_s, 2), eval_warm_s=round(server.warm_s, 2))
     record_ranks(settings, proto, summary, device)
-    if topo.rank == 0 and final_step == steps and settings.export_eval:
+    if topo.rank == 0 and final_step == steps and settings.export_eval and topo.tensor_parallel > 1:
+        log.warning("the export is not evaluated here: target rank 0 decodes alone, and its target is sharded over "
+                    "%d ranks; score it with dflash.eval or a serving engine", topo.tensor_parallel)
+    elif topo.rank == 0 and final_step == steps and settings.export_eval:
         report = evaluate_export(settings, side, settings.run_dir.export)
         summary.update(eval_tau=report["tau"], lossless=report["lossless"])
     return summary
@@ -287,7 +297,7 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     step = loop.run(feed, drafting.start, steps)
     if is_metrics:
         proto.announce_stop(step)
-    for target in range(topo.num_targets):
+    for target in topo.senders:
         with proto.phase(f"receiving the end of data from target {target}", proto.timeouts.step_s, [target]):
             unused = receiver.drain(target)
         if step == steps and unused:
