@@ -97,7 +97,7 @@ def load_sharded(path, options: dict, group: dist.ProcessGroup, device: torch.de
     sharded weight (transformers' loader slices the safetensors to the DTensor placements),
     on the host, then moves it to ``device``."""
     config = options["config"]
-    model_class = AutoModelForCausalLM._model_mapping.get(type(config))
+    model_class = AutoModelForCausalLM._model_mapping.get(type(config), None)
     if model_class is None:
         raise ValueError(f"target.tensor_parallel needs a family transformers ships, not {type(config).__name__}; "
                          "set target.tensor_parallel=1")
@@ -113,15 +113,15 @@ def load_sharded(path, options: dict, group: dist.ProcessGroup, device: torch.de
     return OnGroup.from_pretrained(path, distributed_config=distributed_config(group), **options).to(device)
 
 
-def check_placement(tensor_parallel: int, per_node: int) -> None:
+def check_placement(groups: list[list[int]], per_node: int) -> None:
     """A group's reductions run once per layer: its ranks must share a node (NVLink, not
-    the network). Ranks are numbered node by node, so groups of consecutive ranks stay
-    on one node exactly when ``tensor_parallel`` divides the ranks per node."""
-    if tensor_parallel > 1 and per_node % tensor_parallel:
+    the network). Ranks are numbered node by node, ``per_node`` to a node."""
+    split = [g for g in groups if len({r // per_node for r in g}) > 1]
+    if split:
         raise TopologyError(
-            f"target.tensor_parallel={tensor_parallel} must divide the ranks per node ({per_node}, "
-            "LOCAL_WORLD_SIZE), so that each target group sits on one node; change target.tensor_parallel "
-            "or --nproc_per_node"
+            f"target groups {split} would span nodes of {per_node} ranks (LOCAL_WORLD_SIZE): each group of "
+            "target.tensor_parallel ranks must sit on one node; make target.tensor_parallel divide the ranks "
+            "per node (--nproc_per_node)"
         )
 
 

@@ -110,9 +110,10 @@ def build_topology(job: Job, targets: int) -> Topology | None:
             raise TopologyError(f"target.tensor_parallel={job.tensor_parallel} needs torchrun with at least "
                                 f"{job.tensor_parallel + 1} processes (the target group and a drafter rank)")
         return None
-    tensor_parallel.check_placement(job.tensor_parallel, tensor_parallel.ranks_per_node(world))
     plan = job.plan
-    return Topology(world, int(os.environ["RANK"]), targets, plan.micro_batch_size, plan.batch_size, job.tensor_parallel)
+    topo = Topology(world, int(os.environ["RANK"]), targets, plan.micro_batch_size, plan.batch_size, job.tensor_parallel)
+    tensor_parallel.check_placement(topo.target_groups, tensor_parallel.ranks_per_node(world))
+    return topo
 
 
 def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:

@@ -251,8 +251,8 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     num_targets = auto if targets == "auto" else int(targets)
     if world_size > 1:
         # raise with the key to change
-        Topology(world_size, 0, num_targets, plan.micro_batch_size, plan.batch_size, k)
-        tensor_parallel.check_placement(k, tensor_parallel.ranks_per_node(world_size))
+        topo = Topology(world_size, 0, num_targets, plan.micro_batch_size, plan.batch_size, k)
+        tensor_parallel.check_placement(topo.target_groups, tensor_parallel.ranks_per_node(world_size))
     bundle = _bundle_bytes(plan, dtype)
     micro, h = plan.micro_batch_size, text.hidden_size
     tokens = micro * seq_len
@@ -427,7 +427,7 @@ def format_estimate(job: Job, e: Estimate) -> str:
             f"  split: {e.num_targets} target / {drafters} drafter ranks (topology.target_ranks=auto would choose "
             f"{e.auto_targets}); {plan.micro_per_step // drafters} micro-batch(es) per drafter per step",
             *([f"  target groups: {e.num_targets // k} of {k} ranks on one node, transformers' tensor-parallel plan "
-               f"({', '.join(str(g[0]) + '-' + str(g[-1]) for g in _groups(e.num_targets, k))}); each group prefills "
+               f"({', '.join(f'{g[0]}-{g[-1]}' for g in _groups(e.num_targets, k))}); each group prefills "
                "as one target, its first rank sends the bundles"] if k > 1 else []),
             f"  bundle: {e.bundle_bytes / 1e6:.1f} MB per micro-batch of {plan.micro_batch_size}, "
             f"{e.bundle_bytes * e.micro_per_step / 1e9:.2f} GB per optimizer step",
