@@ -4,7 +4,8 @@
     python -m dflash.eval --target /models/Qwen3-8B --drafter DIR --bench gsm8k,math500,humaneval,mbpp,mt-bench
     python -m dflash.eval --compare ours/eval.json released/eval.json
 
-Batch size 1 against the HF target, greedy (lossless-checked) and sampled;
+Prompts are decoded ``--batch-size`` at a time against the HF target, each row with its
+own acceptance (:mod:`dflash.decode.batch`), greedy (lossless-checked) and sampled;
 :mod:`dflash.decode.speculative` is the decoding and the report it writes,
 :mod:`dflash.decode.benchmarks` the public sets built as z-lab's harness builds them.
 ``--drafter`` takes any drafter directory in the z-lab layout: this project's export or
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.benchmarks import (
     HarnessSettings,
     compare_table,
@@ -29,6 +31,7 @@ from dflash.decode.benchmarks import (
     parse_bench,
 )
 from dflash.decode.speculative import (
+    BASELINE_FILE,
     DecodeSettings,
     check_drafter_config,
     evaluate_datasets,
@@ -66,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=positive, default=DecodeSettings.batch_size,
+                    help="prompts decoded at once (1: one at a time); tokens, tau and the histogram do not depend on it "
+                    "beyond the rounding of other matrix shapes")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -102,11 +108,13 @@ def bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, ou
     check_drafter_config(args.drafter)  # a drafter this decoding cannot run fails before the target loads
     settings = HarnessSettings(max_new_tokens=args.max_new_tokens or 2048, temperature=args.temperature[0],
                                enable_thinking=args.enable_thinking, max_samples=args.max_samples,
-                               sample_seed=args.sample_seed, seed=args.seed, block_size=args.block_size)
+                               sample_seed=args.sample_seed, seed=args.seed, block_size=args.block_size,
+                               batch_size=args.batch_size)
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
     drafter = load_export(args.drafter, device, dtype)
-    results = evaluate_benchmarks(target_model, tokenizer, drafter, head, benches, settings)
+    results = evaluate_benchmarks(target_model, tokenizer, drafter, head, benches, settings,
+                                  GreedyBaselines(out.with_name(BASELINE_FILE)))
     taus = [r["tau"] for r in results.values() if r["tau"] is not None]
     greedy = [r["lossless"] for r in results.values() if r["lossless"] is not None]
     report = {
@@ -149,7 +157,7 @@ def data(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, out
     head = TargetHead.of(target_model)
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens or 256, max_prompts=args.max_prompts,
                               temperatures=args.temperature, seed=args.seed, block_size=args.block_size,
-                              template_kwargs=args.chat_template_kwargs)
+                              template_kwargs=args.chat_template_kwargs, batch_size=args.batch_size)
     return evaluate_datasets(target_model, tokenizer, args.drafter, head, datasets=datasets, out_path=out,
                              settings=settings, target_name=args.target)
 

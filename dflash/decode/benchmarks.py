@@ -40,13 +40,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from dflash.data.records import BadRecord, iter_records
-from dflash.decode.speculative import (
-    check_compatible,
-    divergence,
-    greedy_generate,
-    speculative_generate,
-    tau,
-)
+from dflash.decode.baseline import GreedyBaselines
+from dflash.decode.batch import baseline_steps, speculative_batch_steps
+from dflash.decode.speculative import check_compatible, divergence, run_to_end, tau
 from dflash.model.drafter import DFlashDrafter, TargetHead
 
 log = logging.getLogger("dflash.decode.benchmarks")
@@ -101,6 +97,7 @@ class HarnessSettings:
     sample_seed: int = 0  # the sample limit's shuffle
     seed: int = 0  # turn i samples with a generator seeded seed + i (temperature > 0)
     block_size: int | None = None  # None: the drafter's
+    batch_size: int = 32  # responses decoded at once; not a harness choice: the results do not depend on it
 
 
 def parse_bench(spec: str, bench_dir: str | None = None) -> dict[str, str | None]:
@@ -193,41 +190,58 @@ class Turn:
     baseline_wall_s: float = 0.0
 
 
-def decode_turn(target_model: nn.Module, drafter: DFlashDrafter, head: TargetHead, ids: torch.Tensor,
-                settings: HarnessSettings, stops: frozenset[int], seed: int) -> tuple[list[int], Turn]:
-    """One response decoded speculatively and, at temperature 0, checked against the
-    target's plain greedy decoding; returns its tokens and its :class:`Turn`."""
-    generator = torch.Generator(ids.device).manual_seed(seed)
+def decode_round(target_model: nn.Module, drafter: DFlashDrafter, head: TargetHead, prompts: list[torch.Tensor],
+                 settings: HarnessSettings, stops: frozenset[int], seeds: list[int], baselines: GreedyBaselines
+                 ) -> tuple[list[list[int]], list[Turn]]:
+    """Responses to ``prompts`` decoded speculatively, ``settings.batch_size`` at a time,
+    each sampling with its own seed, and at temperature 0 checked against the target's
+    plain greedy decoding; returns their tokens and :class:`Turn` s (each with its share
+    of the batch's wall time)."""
+    device = head.embed_weight.device
+    generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
     started = time.perf_counter()
-    tokens, lengths = speculative_generate(
-        target_model, drafter, head, ids, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-        eos_ids=stops, generator=generator, block_size=settings.block_size,
-    )
-    turn = Turn(lengths, len(tokens), time.perf_counter() - started)
+    decoded = run_to_end(speculative_batch_steps(
+        target_model, drafter, head, prompts, max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature, eos_ids=stops, generators=generators, block_size=settings.block_size,
+        batch_size=settings.batch_size,
+    ))
+    share = (time.perf_counter() - started) / len(prompts)
+    turns = [Turn(lengths, len(tokens), share) for tokens, lengths in decoded]
     if settings.temperature == 0:
         started = time.perf_counter()
-        greedy = greedy_generate(target_model, ids, settings.max_new_tokens, stops)
-        turn.baseline_wall_s = time.perf_counter() - started
-        turn.lossless = greedy == tokens
-        turn.divergence = divergence(target_model, ids, greedy, tokens)
-    return tokens, turn
+        greedy = run_to_end(baseline_steps(target_model, prompts, settings.max_new_tokens, stops, settings.batch_size,
+                                           baselines))
+        share = (time.perf_counter() - started) / len(prompts)
+        for turn, ids, expected, (tokens, _) in zip(turns, prompts, greedy, decoded):
+            turn.baseline_wall_s, turn.lossless = share, expected == tokens
+            turn.divergence = divergence(target_model, ids, expected, tokens)
+    return [tokens for tokens, _ in decoded], turns
 
 
-def decode_conversation(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
-                        head: TargetHead, user_turns: list[str], settings: HarnessSettings, first_seed: int
-                        ) -> list[Turn]:
-    """Every user turn of one conversation in order, each after the previous speculative
-    reply (decoded without special tokens, as the harness feeds it back)."""
+def decode_conversations(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
+                         head: TargetHead, convs: list[list[str]], settings: HarnessSettings,
+                         baselines: GreedyBaselines) -> list[Turn]:
+    """Every user turn of every conversation, each after the conversation's previous
+    speculative reply (decoded without special tokens, as the harness feeds it back):
+    the k-th turns of all conversations are decoded together. Turn ``k`` of a
+    conversation samples with seed ``settings.seed`` plus the turns before it in the set,
+    as the harness numbers them. Returns the turns in conversation order."""
     stops = harness_stop_ids(tokenizer)
-    messages: list[dict[str, str]] = []
-    turns = []
-    for k, content in enumerate(user_turns):
-        messages.append({"role": "user", "content": content})
-        ids = harness_prompt_ids(tokenizer, messages, settings.enable_thinking).to(head.embed_weight.device)
-        tokens, turn = decode_turn(target_model, drafter, head, ids, settings, stops, first_seed + k)
-        turns.append(turn)
-        messages.append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
-    return turns
+    device = head.embed_weight.device
+    firsts = [settings.seed + sum(map(len, convs[:c])) for c in range(len(convs))]
+    messages: list[list[dict[str, str]]] = [[] for _ in convs]
+    turns: list[list[Turn]] = [[] for _ in convs]
+    for k in range(max(map(len, convs), default=0)):
+        active = [c for c, conv in enumerate(convs) if k < len(conv)]
+        for c in active:
+            messages[c].append({"role": "user", "content": convs[c][k]})
+        prompts = [harness_prompt_ids(tokenizer, messages[c], settings.enable_thinking).to(device) for c in active]
+        replies, done = decode_round(target_model, drafter, head, prompts, settings, stops,
+                                     [firsts[c] + k for c in active], baselines)
+        for c, tokens, turn in zip(active, replies, done):
+            turns[c].append(turn)
+            messages[c].append({"role": "assistant", "content": tokenizer.decode(tokens, skip_special_tokens=True)})
+    return [turn for conv in turns for turn in conv]
 
 
 def summarize(turns: list[Turn], temperature: float, block_size: int) -> dict:
@@ -250,23 +264,25 @@ def summarize(turns: list[Turn], temperature: float, block_size: int) -> dict:
 
 
 def evaluate_benchmark(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
-                       head: TargetHead, convs: list[list[str]], settings: HarnessSettings) -> dict:
-    """Score ``drafter`` on one set's conversations (:func:`conversations`)."""
+                       head: TargetHead, convs: list[list[str]], settings: HarnessSettings,
+                       baselines: GreedyBaselines | None = None) -> dict:
+    """Score ``drafter`` on one set's conversations (:func:`conversations`); ``baselines``
+    keeps the target's plain greedy outputs (:mod:`dflash.decode.baseline`)."""
     check_compatible(target_model, drafter)
-    turns: list[Turn] = []
-    for conv in convs:
-        turns += decode_conversation(target_model, tokenizer, drafter, head, conv, settings, settings.seed + len(turns))
+    turns = decode_conversations(target_model, tokenizer, drafter, head, convs, settings,
+                                 baselines or GreedyBaselines())
     return summarize(turns, settings.temperature, settings.block_size or drafter.config.block_size)
 
 
 def evaluate_benchmarks(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
-                        head: TargetHead, benches: Mapping[str, str | None], settings: HarnessSettings) -> dict:
+                        head: TargetHead, benches: Mapping[str, str | None], settings: HarnessSettings,
+                        baselines: GreedyBaselines | None = None) -> dict:
     """Every set of ``benches`` (name: local source or None for the hub), as the
     ``results`` of ``eval.json``, each with the set's name and what it measures."""
     sets = {name: conversations(name, source, settings) for name, source in benches.items()}  # all load first
     results = {}
     for name, convs in sets.items():
-        r = evaluate_benchmark(target_model, tokenizer, drafter, head, convs, settings)
+        r = evaluate_benchmark(target_model, tokenizer, drafter, head, convs, settings, baselines)
         results[name] = {"dataset": name, "source": benches[name] or BENCHMARKS[name].path, **r}
         log.info("%s: tau %s, lossless %s, %d responses, %d tokens in %.1f s", name, r["tau"], r["lossless"],
                  r["prompts"], r["new_tokens"], r["wall_s"])

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.speculative import (
     DecodeSettings,
     decoding_attention,
@@ -61,6 +62,7 @@ class LiveEvalSettings:
     every: int
     prompts_path: str
     decode: DecodeSettings
+    baseline_path: str | None = None  # the plain greedy outputs, kept across a resume (dflash.decode.baseline)
 
     def due(self, step: int, total_steps: int) -> bool:
         """After this step? The last step is left to the evaluation of the export."""
@@ -101,7 +103,7 @@ class Evaluator:
         self.last_slice = ""  # what the latest slice ran
         self.step = 0
         self.began = 0.0
-        self.greedy: dict[int, list[int]] = {}  # the frozen target's plain greedy outputs, decoded once
+        self.baselines = GreedyBaselines(settings.baseline_path)  # the frozen target's: decoded once
 
     @property
     def busy(self) -> bool:
@@ -118,17 +120,17 @@ class Evaluator:
         self.step, self.began, self.job = step, time.perf_counter(), self._run()
 
     def _run(self) -> Generator[str, None, dict]:
-        results = yield from self._decode(self.settings.decode.max_new_tokens, self.greedy)
+        results = yield from self._decode(self.settings.decode.max_new_tokens, self.baselines)
         return eval_record(self.step, results, time.perf_counter() - self.began)
 
-    def _decode(self, max_new_tokens: int, greedy: dict[int, list[int]]) -> Generator[str, None, list[dict]]:
+    def _decode(self, max_new_tokens: int, baselines: GreedyBaselines) -> Generator[str, None, list[dict]]:
         """Every held-out prompt at every temperature, up to ``max_new_tokens`` each."""
         settings = replace(self.settings.decode, max_new_tokens=max_new_tokens)
         results = []
         for t in settings.temperatures:
             results.append((yield from evaluate_steps(
                 self.target.model, self.tokenizer, self.drafter, self.head, prompts=self.prompts, settings=settings,
-                temperature=t, greedy_outputs=greedy,
+                temperature=t, baselines=baselines,
             )))
         return results
 
@@ -148,7 +150,7 @@ class Evaluator:
         this decodes are cut short: not kept."""
         began = time.perf_counter()
         with self.target.eager():
-            run_to_end(self._decode(2, {}))
+            run_to_end(self._decode(2, GreedyBaselines()))
         return time.perf_counter() - began
 
     def advance(self) -> dict | None:

@@ -60,11 +60,14 @@ from transformers.cache_utils import DynamicLayer
 
 from dflash.data import template
 from dflash.data.records import BadRecord, conversation_turns, iter_records, parse_turn
+from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.selector import propose, sample
 from dflash.model.drafter import DFlashDrafter, TargetHead
 from dflash.model.export import load_export
 
 log = logging.getLogger("dflash.decode.speculative")
+
+BASELINE_FILE = "greedy_baseline.json"  # beside the report: the plain greedy outputs (dflash.decode.baseline)
 
 T = TypeVar("T")
 
@@ -80,6 +83,7 @@ class DecodeSettings:
     seed: int = 0  # prompt i samples with a generator seeded seed + i
     block_size: int | None = None  # None: the drafter's
     template_kwargs: Mapping = field(default_factory=dict)  # data.chat_template_kwargs, as in training
+    batch_size: int = 32  # prompts decoded at once (dflash.decode.batch)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
@@ -451,51 +455,48 @@ def evaluate_steps(
     prompts: list[list[dict[str, str]]],
     settings: DecodeSettings,
     temperature: float = 0.0,
-    greedy_outputs: dict[int, list[int]] | None = None,
+    baselines: GreedyBaselines | None = None,
 ) -> Generator[str, None, dict]:
     """Speculative decoding over ``prompts`` at ``temperature``, up to
-    ``settings.max_new_tokens`` each; at temperature 0 also the lossless check.
+    ``settings.max_new_tokens`` each, ``settings.batch_size`` prompts at a time
+    (:mod:`dflash.decode.batch`); at temperature 0 also the lossless check.
     Responses end at the tokens of :func:`dflash.data.template.reply_end_ids`.
-    Pauses after every prompt's prefill, drafting cycle, baseline token and divergence
+    Pauses after every prompt's prefill, drafting cycle, baseline step and divergence
     measure (``wall_s`` then includes whatever ran in the pauses).
 
-    ``greedy_outputs`` keeps the plain greedy outputs by prompt index across calls with
-    the same prompts, budget, template arguments and target: those found are reused,
-    the others computed and added. The target is frozen, so evaluations while training
-    (one dict per evaluator) decode the baseline once, not at every evaluation: it is
-    the larger share of an evaluation, one target forward per token.
+    ``baselines`` keeps the plain greedy outputs across calls (and runs, with a file):
+    those found are reused, the others decoded and added. The target is frozen, so the
+    evaluations of a run decode the baseline once, not at every evaluation.
 
     Each prompt gets its own generator seeded ``settings.seed + index``, so a sampled
-    response does not depend on which prompts ran before it.
+    response does not depend on which prompts ran before it or beside it.
     """
+    from dflash.decode.batch import (  # it builds on this module
+        baseline_steps,
+        speculative_batch_steps,
+    )
+
     check_compatible(target_model, drafter)
     block_size = settings.block_size or drafter.config.block_size
     max_new_tokens = settings.max_new_tokens
     device = head.embed_weight.device
     eos_ids = template.reply_end_ids(tokenizer, getattr(target_model, "generation_config", None))
+    encoded = [encode_prompt(tokenizer, messages, settings.template_kwargs).to(device) for messages in prompts]
+    generators = [torch.Generator(device).manual_seed(settings.seed + i) for i in range(len(prompts))]
 
     started = time.perf_counter()
-    encoded, outputs, acceptance = [], [], []
-    for i, messages in enumerate(prompts):
-        ids = encode_prompt(tokenizer, messages, settings.template_kwargs).to(device)
-        encoded.append(ids)
-        generator = torch.Generator(device).manual_seed(settings.seed + i)
-        tokens, lengths = yield from speculative_steps(
-            target_model, drafter, head, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-            eos_ids=eos_ids, generator=generator, block_size=block_size,
-        )
-        outputs.append(tokens)
-        acceptance.append(lengths)
+    decoded = yield from speculative_batch_steps(
+        target_model, drafter, head, encoded, max_new_tokens=max_new_tokens, temperature=temperature,
+        eos_ids=eos_ids, generators=generators, block_size=block_size, batch_size=settings.batch_size,
+    )
+    outputs, acceptance = [tokens for tokens, _ in decoded], [lengths for _, lengths in decoded]
     wall_s = time.perf_counter() - started
 
     lossless = baseline_wall_s = divergences = None
     if temperature == 0:
         started = time.perf_counter()
-        baseline, known = [], {} if greedy_outputs is None else greedy_outputs
-        for k, ids in enumerate(encoded):
-            if k not in known:
-                known[k] = yield from greedy_steps(target_model, ids, max_new_tokens, eos_ids)
-            baseline.append(known[k])
+        baseline = yield from baseline_steps(target_model, encoded, max_new_tokens, eos_ids, settings.batch_size,
+                                             baselines or GreedyBaselines())
         baseline_wall_s = time.perf_counter() - started
         lossless = outputs == baseline
         divergences = []
@@ -539,16 +540,21 @@ def evaluate_datasets(
     ``settings``, write the report to ``out_path``, return it.
 
     The drafter is loaded from its export directory, so what is measured is the
-    artefact a serving engine would load, not the in-memory training copy.
+    artefact a serving engine would load, not the in-memory training copy. The plain
+    greedy outputs are kept in ``greedy_baseline.json`` beside the report
+    (:mod:`dflash.decode.baseline`): the run's evaluations while training and any later
+    evaluation against the same target reuse them.
     """
     drafter = load_export(drafter_dir, head.embed_weight.device, head.embed_weight.dtype)
+    baselines = GreedyBaselines(Path(out_path).with_name(BASELINE_FILE))
     temperatures = settings.temperatures
     results = {}
     for name, path in datasets.items():
         prompts = load_prompts(path, settings.max_prompts)
         for t in temperatures:
             key = name if len(temperatures) == 1 else f"{name}@{t:g}"
-            r = evaluate(target_model, tokenizer, drafter, head, prompts=prompts, settings=settings, temperature=t)
+            r = evaluate(target_model, tokenizer, drafter, head, prompts=prompts, settings=settings, temperature=t,
+                         baselines=baselines)
             results[key] = {"dataset": name, **r}
             log.info("%s: tau %s, lossless %s, %d tokens in %.1f s", key, r["tau"], r["lossless"],
                      r["new_tokens"], r["wall_s"])

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache
 
+from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.speculative import (
     DecodeSettings,
     accept,
@@ -71,6 +72,9 @@ class ScriptedDrafter(nn.Module):
         assert torch.equal(block_positions[0], torch.arange(p, p + self.config.block_size))
         torch.testing.assert_close(ctx_features, self.reference_features[:, first:p], atol=1e-4, rtol=1e-4)
         return block_positions[..., None].float()  # the "hidden state" carries the position
+
+    def draft_logits(self, head, hidden: torch.Tensor) -> torch.Tensor:
+        return head.logits(hidden).float()
 
 
 class ScriptedHead:
@@ -311,26 +315,32 @@ def test_a_divergence_is_located_and_measured_by_the_target(target):
     assert "1 of 4 prompts" in describe_divergences([{"prompt": 2, **found}], 4)
 
 
-def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch):
+def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch, tmp_path):
     """Evaluations while training keep the frozen target's greedy outputs: the second
-    evaluation reuses them and reports the same lossless check."""
+    evaluation reuses them and reports the same lossless check; so does a later one that
+    reads them from their file (a resumed run)."""
+    import dflash.decode.batch as batch_module
     import dflash.decode.speculative as eval_module
 
     tokenizer, drafter, head = word_tokenizer(VOCAB), tiny_drafter(vocab=VOCAB, block_size=B).eval(), TargetHead.of(target)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(3)]
-    kept: dict[int, list[int]] = {}
+    kept = GreedyBaselines(tmp_path / "greedy_baseline.json")
     budget = DecodeSettings(max_new_tokens=12)
-    first = eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, greedy_outputs=kept)
-    assert sorted(kept) == [0, 1, 2] and first["lossless"] is True
+    first = eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, baselines=kept)
+    assert len(kept.outputs) == 3 and first["lossless"] is True
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("the kept baseline was decoded again")
 
-    monkeypatch.setattr(eval_module, "greedy_steps", no_decoding)
-    again = eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, greedy_outputs=kept)
-    assert again["lossless"] is True and again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
-    kept[1] = kept[1][:-1] + [(kept[1][-1] + 1) % VOCAB]  # a baseline that disagrees is reported, not re-decoded
-    assert eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget, greedy_outputs=kept)["lossless"] is False
+    monkeypatch.setattr(batch_module, "greedy_batch_steps", no_decoding)
+    for baselines in (kept, GreedyBaselines(tmp_path / "greedy_baseline.json")):
+        again = eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget,
+                                     baselines=baselines)
+        assert again["lossless"] is True and again["tau"] == first["tau"] and again["new_tokens"] == first["new_tokens"]
+    key = next(iter(kept.outputs))
+    kept.outputs[key] = kept.outputs[key][:-1] + [(kept.outputs[key][-1] + 1) % VOCAB]  # reported, not re-decoded
+    assert eval_module.evaluate(target, tokenizer, drafter, head, prompts=prompts, settings=budget,
+                                baselines=kept)["lossless"] is False
 
 
 # ---------------------------------------------------------------------------

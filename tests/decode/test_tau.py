@@ -69,13 +69,22 @@ class OracleDrafter(nn.Module):
             self.scripts.append((features, torch.tensor(proposals)))
 
     def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
-        p = ctx_features.shape[1]
-        found = [
-            proposals for features, proposals in self.scripts
-            if p <= features.shape[1] and torch.allclose(ctx_features[0], features[0, :p], atol=1e-4, rtol=1e-4)
-        ]
-        assert len(found) == 1, f"context of length {p} matches {len(found)} scripted prompts"
-        return found[0][block_positions[0]].float()[None, :, None]  # the "hidden state" is the proposal
+        """Row by row: a batched forward pads the contexts and masks the padding."""
+        width = ctx_features.shape[1]
+        lengths = [width] * len(ctx_features) if mask is None else mask[:, 0, 0, :width].sum(-1).tolist()
+        rows = []
+        for features, p, positions in zip(ctx_features, lengths, block_positions):
+            found = [
+                proposals for script, proposals in self.scripts
+                if p <= script.shape[1] and torch.allclose(features[:p], script[0, :p], atol=1e-4, rtol=1e-4)
+            ]
+            assert len(found) == 1, f"context of length {p} matches {len(found)} scripted prompts"
+            assert int(positions[0]) == p
+            rows.append(found[0][positions].float()[:, None])  # the "hidden state" is the proposal
+        return torch.stack(rows)
+
+    def draft_logits(self, head, hidden: torch.Tensor) -> torch.Tensor:
+        return head.logits(hidden).float()
 
 
 class OracleHead:

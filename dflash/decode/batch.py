@@ -1,0 +1,413 @@
+"""Speculative and plain greedy decoding of several prompts at once.
+
+The batch-1 loops of :mod:`dflash.decode.speculative` spend one target forward per
+drafting cycle (or per token) on one sequence: on a GPU that is weight reads, not
+compute. Here every cycle verifies the blocks of up to ``batch_size`` sequences in one
+target forward, each row keeping its own number of drafts (ragged acceptance).
+
+Rows keep their own lengths in one shared HF ``DynamicCache`` (:class:`RaggedCache`):
+every forward appends the same number of columns to every row, a 2D attention mask
+marks which columns each row still holds, and position ids carry each row's own
+positions (RoPE is applied before keys are cached, so a key's column does not matter,
+only that it precedes the queries that read it). A rejected draft's column is masked
+out instead of cut; the columns no row kept are cut; when the longest row holds less
+than three quarters of the columns the cache is compacted. Masked keys get zero
+attention weight, so each row computes what the batch-1 loop computes, up to the
+rounding of other matrix shapes.
+
+Each prompt is prefilled alone (one forward of its own length, as the batch-1 loop
+does, so its first token and context features are those of the batch-1 loop) and
+joins the batch where a finished row left (continuous batching). A target whose cache
+holds layers that cannot give a position back (sliding windows, linear attention:
+:func:`dflash.decode.speculative.croppable`) is decoded one prompt at a time.
+
+The drafter runs over each row's whole context every cycle, as in the batch-1 loop; the
+rows' contexts are padded to the longest and the padding masked, except for a DFlash2
+drafter run at another block size than its own (its convolutions then need the block
+length that only an unmasked forward gives), which drafts row by row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Generator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from dflash.decode.baseline import GreedyBaselines
+from dflash.decode.selector import propose, sample
+from dflash.decode.speculative import (
+    accept,
+    context_features,
+    croppable,
+    greedy_steps,
+    speculative_steps,
+    truncate,
+    window,
+    with_cache,
+)
+from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, TargetHead, window_mask
+
+
+def pad_columns(t: torch.Tensor, width: int, value: float | bool = 0) -> torch.Tensor:
+    """``t`` with its dimension -2 (a cache's columns; a mask's rows are [b, C] so the
+    caller passes ``t[..., None]``) padded at the end to ``width``."""
+    extra = width - t.shape[-2]
+    if extra <= 0:
+        return t
+    return torch.cat([t, t.new_full((*t.shape[:-2], extra, t.shape[-1]), value)], dim=-2)
+
+
+class RaggedCache:
+    """A ``DynamicCache`` of rows with their own lengths: ``valid[b, C]`` says which
+    columns each row holds. Rows join from a batch-1 cache (:meth:`join`) and leave
+    (:meth:`select`); every forward appends its query length to all rows
+    (:meth:`forward`), and :meth:`keep` masks out what a row rejected."""
+
+    def __init__(self) -> None:
+        self.cache: DynamicCache | None = None
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+
+    @property
+    def rows(self) -> int:
+        return self.valid.shape[0]
+
+    def _set(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> None:
+        for layer, k, v in zip(self.cache.layers, keys, values):
+            layer.keys, layer.values = k, v
+        self.valid = valid
+
+    def join(self, cache: DynamicCache) -> None:
+        """Add a row prefilled alone (batch 1) as the last row; the shorter side is padded
+        with masked columns."""
+        length = cache.get_seq_length()
+        theirs = torch.ones(1, length, dtype=torch.bool, device=cache.layers[0].keys.device)
+        if self.cache is None:
+            self.cache, self.valid = cache, theirs
+            return
+        width = max(length, self.valid.shape[1])
+        keys = [torch.cat([pad_columns(m.keys, width), pad_columns(t.keys, width)]) for m, t in
+                zip(self.cache.layers, cache.layers)]
+        values = [torch.cat([pad_columns(m.values, width), pad_columns(t.values, width)]) for m, t in
+                  zip(self.cache.layers, cache.layers)]
+        valid = torch.cat([pad_columns(self.valid[..., None], width, False),
+                           pad_columns(theirs[..., None], width, False)])[..., 0]
+        self._set(keys, values, valid)
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows``, in that order; the columns none of them holds are cut."""
+        if not rows:
+            self.cache, self.valid = None, self.valid[:0, :0]
+            return
+        index = torch.tensor(list(rows), device=self.valid.device)
+        self._set([layer.keys[index] for layer in self.cache.layers],
+                  [layer.values[index] for layer in self.cache.layers], self.valid[index])
+        self._trim()
+
+    def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs):
+        """The target's forward of ``input_ids [b, q]`` at ``positions [b, q]`` after each
+        row's own columns; the ``q`` new columns count as held until :meth:`keep`."""
+        mask = torch.cat([self.valid, self.valid.new_ones(input_ids.shape)], dim=1)
+        out = with_cache(model, self.cache, input_ids=input_ids, attention_mask=mask, position_ids=positions, **kwargs)
+        self.valid = mask
+        return out
+
+    def keep(self, kept: torch.Tensor, q: int) -> None:
+        """After a forward of ``q`` tokens, row ``r`` holds only the first ``kept[r]`` of
+        them: the rest are masked out, the columns no row holds cut, and the cache
+        compacted once more than a quarter of its columns are beyond what the longest
+        row holds (every forward attends over all columns)."""
+        new = torch.arange(q, device=kept.device)[None] < kept[:, None]
+        self.valid = torch.cat([self.valid[:, :-q], new], dim=1)
+        self._trim()
+        held = self.valid.sum(1)
+        if 4 * (self.valid.shape[1] - int(held.max())) > self.valid.shape[1]:
+            self._compact(held)
+
+    def _trim(self) -> None:
+        """Cut the trailing columns no row holds."""
+        used = self.valid.any(0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0
+        if width < self.valid.shape[1]:
+            self.cache.crop(width - self.valid.shape[1])  # negative: drop that many (4.57 and 5.x)
+            self.valid = self.valid[:, :width]
+
+    def _compact(self, held: torch.Tensor) -> None:
+        """Move every row's held columns to its front, in order, and cut the rest."""
+        width = int(held.max())
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3]))
+
+        self._set([gather(layer.keys) for layer in self.cache.layers],
+                  [gather(layer.values) for layer in self.cache.layers],
+                  torch.arange(width, device=held.device)[None] < held[:, None])
+
+
+@dataclass
+class Row:
+    """One prompt being decoded: its tokens so far, the position ``p`` of the newest one
+    (in no cache yet), acceptance per cycle, and the drafter's context (features of the
+    positions ``first..p-1``)."""
+
+    index: int
+    tokens: list[int]
+    p: int
+    generator: torch.Generator | None = None
+    lengths: list[int] = field(default_factory=list)
+    features: torch.Tensor | None = None
+    first: int = 0
+
+
+def finished(row: Row, new: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> bool:
+    """The batch-1 loop's stopping rule: the budget is reached or a stop token was just added."""
+    return len(row.tokens) >= max_new_tokens or any(t in eos_ids for t in new)
+
+
+def batched_drafter(drafter: DFlashDrafter, block_size: int) -> bool:
+    """Whether the drafter can run over padded rows under a mask: not a DFlash2 drafter
+    at another block size than its own (its convolutions take the block length from the
+    mask's absence)."""
+    return drafter.config.dflash2 is None or block_size == drafter.config.block_size
+
+
+def drafter_masks(drafter: DFlashDrafter, valid: torch.Tensor, ctx_positions: torch.Tensor,
+                  block_positions: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The masks of a padded drafter forward: every block query sees its row's context
+    and the whole block (inference's unmasked forward), a sliding layer only its window."""
+    b, block_size = block_positions.shape
+    seen = torch.cat([valid, valid.new_ones(b, block_size)], dim=1)[:, None, None, :].expand(-1, 1, block_size, -1)
+    if SLIDING not in drafter.config.attention_types:
+        return seen
+    cfg = drafter.config
+    return {FULL: seen,
+            SLIDING: seen & window_mask(ctx_positions, block_positions, cfg.sliding_window, cfg.sliding_causal)}
+
+
+def draft_hidden(drafter: DFlashDrafter, head: TargetHead, rows: list[Row], mask_token_id: int, block_size: int,
+                 device: torch.device) -> torch.Tensor:
+    """The drafter's hidden states ``[b, B, H]`` of every row's block ``[last, MASK...]``:
+    one forward over the rows' contexts padded to the longest (one row: unpadded, the
+    batch-1 loop's forward), or row by row (:func:`batched_drafter`)."""
+    block = torch.full((len(rows), block_size), mask_token_id, dtype=torch.long, device=device)
+    block[:, 0] = torch.tensor([r.tokens[-1] for r in rows], device=device)
+    offsets = torch.arange(block_size, device=device)
+    if len(rows) == 1 or not batched_drafter(drafter, block_size):
+        return torch.cat([
+            drafter(r.features, head.embed(block[i : i + 1]), torch.arange(r.first, r.p, device=device)[None],
+                    (r.p + offsets)[None])
+            for i, r in enumerate(rows)
+        ])
+    width = max(r.features.shape[1] for r in rows)
+    features = torch.stack([pad_columns(r.features[0], width) for r in rows])
+    ctx = torch.arange(width, device=device)[None]
+    lengths = torch.tensor([r.features.shape[1] for r in rows], device=device)
+    firsts = torch.tensor([r.first for r in rows], device=device)
+    valid = ctx < lengths[:, None]
+    ctx_positions = torch.where(valid, firsts[:, None] + ctx, 0)
+    block_positions = (firsts + lengths)[:, None] + offsets
+    masks = drafter_masks(drafter, valid, ctx_positions, block_positions)
+    return drafter(features, head.embed(block), ctx_positions, block_positions, masks)
+
+
+def single(target_model: nn.Module) -> bool:
+    """Whether the target's cache must be decoded one prompt at a time: it has layers that
+    cannot be cut back per row (:func:`dflash.decode.speculative.croppable`)."""
+    return not croppable(DynamicCache(config=target_model.config))
+
+
+def prefill(target_model: nn.Module, drafter: DFlashDrafter | None, index: int, prompt_ids: torch.Tensor,
+            temperature: float, generator: torch.Generator | None) -> tuple[DynamicCache, Row]:
+    """One prompt prefilled alone, as the batch-1 loops do: its cache and its row, holding
+    the first token (and, for a drafter, the prompt's context features)."""
+    cache = DynamicCache(config=target_model.config)
+    out = with_cache(target_model, cache, input_ids=prompt_ids, output_hidden_states=drafter is not None,
+                     logits_to_keep=1)
+    row = Row(index, sample(out.logits[0, -1:], temperature, generator).tolist(), prompt_ids.shape[1], generator)
+    if drafter is not None:
+        cfg = drafter.config
+        row.features, row.first = window(context_features(out.hidden_states, cfg.target_layer_ids), 0,
+                                         cfg.context_window)
+    return cache, row
+
+
+def propose_rows(drafter: DFlashDrafter, head: TargetHead, hidden: torch.Tensor, rows: list[Row],
+                 temperature: float) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """Every row's drafts ``[b, B-1]`` from the drafted slots' hidden states ``[b, B-1, H]``;
+    greedy DFlash drafts are one argmax over the batch, the others are drawn row by row
+    with each row's generator (:func:`dflash.decode.selector.propose`), with the draft
+    logits sampling needs."""
+    if temperature == 0 and drafter.config.dflash2 is None:
+        return drafter.draft_logits(head, hidden).argmax(-1), None
+    proposed = [propose(drafter, head, hidden[i], r.tokens[-1], temperature, r.generator) for i, r in enumerate(rows)]
+    return torch.stack([d for d, _ in proposed]), [q for _, q in proposed]
+
+
+def accept_rows(drafts: torch.Tensor, draft_logits: list[torch.Tensor] | None, target_logits: torch.Tensor,
+                rows: list[Row], temperature: float) -> tuple[list[int], list[int]]:
+    """Drafts kept and the token added after them, per row (:func:`dflash.decode.speculative.accept`;
+    greedy over the whole batch at once)."""
+    if temperature == 0:
+        target = target_logits.argmax(-1)
+        n = (drafts == target[:, :-1]).cumprod(1).sum(1)
+        return n.tolist(), target.gather(1, n[:, None])[:, 0].tolist()
+    kept = [accept(drafts[i], draft_logits[i], target_logits[i].float(), temperature, generator=r.generator)
+            for i, r in enumerate(rows)]
+    return [n for n, _ in kept], [bonus for _, bonus in kept]
+
+
+def refill(rows: list[Row], cache: RaggedCache, pending: list[int], batch_size: int, start
+           ) -> Generator[str, None, list[Row]]:
+    """Prefill waiting prompts (``start(index)`` gives their cache and row) into the free
+    places of the batch, pausing after each; returns the rows already finished by their
+    first token (they never join)."""
+    done = []
+    while pending and len(rows) < batch_size:
+        row_cache, row, over = start(pending.pop())
+        yield "prompt prefill"
+        if over:
+            done.append(row)
+        else:
+            cache.join(row_cache)
+            rows.append(row)
+    return done
+
+
+def retire(rows: list[Row], cache: RaggedCache, over: list[bool]) -> list[Row]:
+    """Take the finished rows out of the batch and its cache; returns them."""
+    if not any(over):
+        return []
+    cache.select([i for i, o in enumerate(over) if not o])
+    done = [r for r, o in zip(rows, over) if o]
+    rows[:] = [r for r, o in zip(rows, over) if not o]
+    return done
+
+
+@torch.inference_mode()
+def speculative_batch_steps(
+    target_model: nn.Module,
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    prompts: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    eos_ids: Collection[int] = (),
+    generators: Sequence[torch.Generator | None] | None = None,
+    block_size: int | None = None,
+    batch_size: int = 32,
+) -> Generator[str, None, list[tuple[list[int], list[int]]]]:
+    """:func:`dflash.decode.speculative.speculative_steps` over ``prompts`` (each ``[1, S]``),
+    up to ``batch_size`` at a time, each with its generator; returns (new tokens,
+    acceptance lengths) per prompt, in order. Pauses after every prompt's prefill and
+    every batched drafting cycle."""
+    generators = list(generators or [None] * len(prompts))
+    if single(target_model) or batch_size == 1 or len(prompts) < 2:
+        results = []
+        for ids, generator in zip(prompts, generators):
+            results.append((yield from speculative_steps(
+                target_model, drafter, head, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                eos_ids=eos_ids, generator=generator, block_size=block_size)))
+        return results
+    cfg = drafter.config
+    block_size = block_size or cfg.block_size
+    device = prompts[0].device
+    offsets = torch.arange(block_size, device=device)
+    results: list = [None] * len(prompts)
+    cache, rows, pending = RaggedCache(), [], list(range(len(prompts)))[::-1]
+
+    def start(i: int) -> tuple[DynamicCache, Row, bool]:
+        row_cache, row = prefill(target_model, drafter, i, prompts[i], temperature, generators[i])
+        return row_cache, row, finished(row, row.tokens, max_new_tokens, eos_ids)
+
+    def record(done: list[Row]) -> None:
+        for r in done:
+            results[r.index] = (truncate(r.tokens, max_new_tokens, eos_ids), r.lengths)
+
+    while pending or rows:
+        record((yield from refill(rows, cache, pending, batch_size, start)))
+        if not rows:
+            continue
+        hidden = draft_hidden(drafter, head, rows, cfg.mask_token_id, block_size, device)
+        drafts, draft_logits = propose_rows(drafter, head, hidden[:, 1:], rows, temperature)
+        last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
+        positions = torch.tensor([r.p for r in rows], device=device)[:, None] + offsets
+        out = cache.forward(target_model, torch.cat([last, drafts], dim=1), positions, output_hidden_states=True)
+        n, bonus = accept_rows(drafts, draft_logits, out.logits, rows, temperature)
+        cache.keep(torch.tensor(n, device=device) + 1, block_size)
+        features = context_features(out.hidden_states, cfg.target_layer_ids)
+        drafted = drafts.tolist()
+        over = []
+        for i, r in enumerate(rows):
+            r.features, r.first = window(torch.cat([r.features, features[i : i + 1, : n[i] + 1]], dim=1), r.first,
+                                         cfg.context_window)
+            new = drafted[i][: n[i]] + [bonus[i]]
+            r.tokens += new
+            r.p += n[i] + 1
+            r.lengths.append(n[i] + 1)
+            over.append(finished(r, new, max_new_tokens, eos_ids))
+        yield "drafting cycle"
+        record(retire(rows, cache, over))
+    return results
+
+
+@torch.inference_mode()
+def greedy_batch_steps(
+    target_model: nn.Module,
+    prompts: Sequence[torch.Tensor],
+    max_new_tokens: int,
+    eos_ids: Collection[int] = (),
+    batch_size: int = 32,
+) -> Generator[str, None, list[list[int]]]:
+    """:func:`dflash.decode.speculative.greedy_steps` over ``prompts``, up to ``batch_size``
+    at a time: one target forward of one token per row per step. Pauses after every
+    prompt's prefill and every step."""
+    if single(target_model) or batch_size == 1 or len(prompts) < 2:
+        results = []
+        for ids in prompts:
+            results.append((yield from greedy_steps(target_model, ids, max_new_tokens, eos_ids)))
+        return results
+    device = prompts[0].device
+    results: list = [None] * len(prompts)
+    cache, rows, pending = RaggedCache(), [], list(range(len(prompts)))[::-1]
+
+    def start(i: int) -> tuple[DynamicCache, Row, bool]:
+        row_cache, row = prefill(target_model, None, i, prompts[i], 0.0, None)
+        return row_cache, row, finished(row, row.tokens, max_new_tokens, eos_ids)
+
+    def record(done: list[Row]) -> None:
+        for r in done:
+            results[r.index] = r.tokens
+
+    while pending or rows:
+        record((yield from refill(rows, cache, pending, batch_size, start)))
+        if not rows:
+            continue
+        last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
+        positions = torch.tensor([[r.p] for r in rows], device=device)
+        tokens = cache.forward(target_model, last, positions).logits[:, -1].argmax(-1).tolist()
+        over = []
+        for r, t in zip(rows, tokens):
+            r.tokens.append(t)
+            r.p += 1
+            over.append(finished(r, [t], max_new_tokens, eos_ids))
+        yield "baseline token"
+        record(retire(rows, cache, over))
+    return results
+
+
+def baseline_steps(target_model: nn.Module, prompts: Sequence[torch.Tensor], max_new_tokens: int,
+                   eos_ids: Collection[int], batch_size: int, baselines: GreedyBaselines
+                   ) -> Generator[str, None, list[list[int]]]:
+    """The plain greedy output of every prompt: those ``baselines`` holds, the others
+    decoded in batches (:func:`greedy_batch_steps`) and added to it."""
+    keys = baselines.keys(target_model, prompts, max_new_tokens, eos_ids)
+    missing = [k for k, key in enumerate(keys) if baselines.get(key) is None]
+    if missing:
+        found = yield from greedy_batch_steps(target_model, [prompts[k] for k in missing], max_new_tokens, eos_ids,
+                                              batch_size)
+        baselines.put({keys[k]: tokens for k, tokens in zip(missing, found)})
+    return [baselines.get(key) for key in keys]

@@ -1,0 +1,204 @@
+"""Batched decoding: every row gives the tokens and acceptance lengths of the batch-1
+loop, with ragged acceptance, continuous refill, sampling, DFlash2 and sliding drafters;
+targets whose cache cannot be cut back per row decode one prompt at a time; the plain
+greedy baseline is kept by target, prompt and budget."""
+
+import random
+
+import pytest
+import torch
+from helpers import family_target, greedy_reference, tiny_drafter, varied_target
+from torch import nn
+from torch.nn import functional as F
+from transformers import DynamicCache
+
+from dflash.decode.baseline import GreedyBaselines, fingerprint
+from dflash.decode.batch import (
+    RaggedCache,
+    greedy_batch_steps,
+    single,
+    speculative_batch_steps,
+)
+from dflash.decode.speculative import (
+    greedy_generate,
+    run_to_end,
+    speculative_generate,
+    with_cache,
+)
+from dflash.model.drafter import FULL, SLIDING, DFlash2Config, DFlashDrafter, TargetHead
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+B = 4
+VOCAB = 96
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target64() -> nn.Module:
+    return varied_target(vocab=VOCAB).double()
+
+
+def prompts(count: int, seed: int = 0) -> list[torch.Tensor]:
+    """Prompts of different lengths (5 to 5 + 3 * (count - 1) tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB - 1, (1, 5 + 3 * i), generator=g) for i in range(count)]
+
+
+def random_drafter(seed: int = 0, **config) -> nn.Module:
+    drafter = tiny_drafter(vocab=VOCAB, block_size=B, seed=seed, **config).double().eval()
+    drafter.reset_parameters(0.2)
+    return drafter
+
+
+def batch_one(target, drafter, head, ids: list[torch.Tensor], temperature: float = 0.0, **kwargs):
+    return [speculative_generate(target, drafter, head, p, max_new_tokens=MAX_NEW, temperature=temperature,
+                                 generator=torch.Generator().manual_seed(i), **kwargs) for i, p in enumerate(ids)]
+
+
+def batched(target, drafter, head, ids: list[torch.Tensor], temperature: float = 0.0, batch_size: int = 3, **kwargs):
+    generators = [torch.Generator().manual_seed(i) for i in range(len(ids))]
+    return run_to_end(speculative_batch_steps(target, drafter, head, ids, max_new_tokens=MAX_NEW,
+                                              temperature=temperature, generators=generators, batch_size=batch_size,
+                                              **kwargs))
+
+
+class PrefixDrafter(nn.Module):
+    """Recognises each row's prompt by its context features (checking them against the
+    target's hidden states of the accepted prefix) and proposes that prompt's greedy
+    continuation, wrong at scripted positions: many acceptance lengths, different per row."""
+
+    def __init__(self, config, target: nn.Module, ids: list[torch.Tensor], wrong: float):
+        super().__init__()
+        self.config = config
+        self.scripts = []
+        for k, p in enumerate(ids):
+            seq = greedy_reference(target, p[0].tolist(), p.shape[1] + MAX_NEW + B)
+            with torch.no_grad():
+                hs = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
+            features = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)[0]
+            rng = random.Random(k)
+            proposals = [(t + 1) % VOCAB if rng.random() < wrong else t for t in seq]
+            self.scripts.append((features, torch.tensor(proposals)))
+
+    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
+        width = ctx_features.shape[1]
+        lengths = [width] * len(ctx_features) if mask is None else mask[:, 0, 0, :width].sum(-1).tolist()
+        rows = []
+        for features, p, positions in zip(ctx_features, lengths, block_positions):
+            found = [proposals for script, proposals in self.scripts
+                     if p <= len(script) and torch.allclose(features[:p], script[:p], rtol=1e-9, atol=1e-9)]
+            assert len(found) == 1 and int(positions[0]) == p
+            rows.append(found[0][positions].double()[:, None])
+        return torch.stack(rows)
+
+    def draft_logits(self, head, hidden: torch.Tensor) -> torch.Tensor:
+        return head.logits(hidden).float()
+
+
+class ProposalHead:
+    """Turns a PrefixDrafter's proposals into one-hot logits."""
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, 1, dtype=torch.float64)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(hidden[..., 0].long(), VOCAB).double()
+
+
+def test_ragged_acceptance_gives_every_row_the_batch_one_result(target64):
+    """Rows accept different numbers of drafts each cycle; 7 prompts through 3 places
+    (rows finish and others join); each row equals the batch-1 loop and plain greedy."""
+    ids = prompts(7)
+    drafter = PrefixDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, target64, ids, wrong=0.3)
+    head = ProposalHead()
+    expected = batch_one(target64, drafter, head, ids)
+    assert batched(target64, drafter, head, ids) == expected
+    assert [tokens for tokens, _ in expected] == [greedy_generate(target64, p, MAX_NEW) for p in ids]
+    assert len({n for _, lengths in expected for n in lengths}) == B
+
+
+def test_a_real_drafter_greedy_and_sampled(target64):
+    """A random drafter (mostly rejected: the cache is compacted often) greedy, and
+    sampled with each row's own generator."""
+    drafter, head, ids = random_drafter(), TargetHead.of(target64), prompts(5, seed=1)
+    for temperature in (0.0, 1.0):
+        assert batched(target64, drafter, head, ids, temperature) == batch_one(target64, drafter, head, ids,
+                                                                               temperature)
+
+
+@pytest.mark.parametrize("layer_types", [[SLIDING] * 2, [SLIDING, FULL]], ids=["all-sliding", "mixed"])
+def test_sliding_drafters_batch_with_their_windows(target64, layer_types):
+    drafter, ids = random_drafter(layer_types=layer_types, sliding_window=3), prompts(4, seed=2)
+    head = TargetHead.of(target64)
+    assert batched(target64, drafter, head, ids) == batch_one(target64, drafter, head, ids)
+
+
+@pytest.mark.parametrize("block_size", [B, 3], ids=["own-block", "other-block"])
+def test_a_dflash2_drafter_walks_each_row(target64, block_size):
+    """The selector's path walk drafts row by row; at another block size than its own the
+    drafter's forward runs row by row too."""
+    torch.manual_seed(0)
+    cfg = tiny_drafter(vocab=VOCAB, block_size=B).config
+    cfg.dflash2 = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    drafter = DFlashDrafter(cfg).double().eval()
+    drafter.reset_parameters(0.2)
+    head, ids = TargetHead.of(target64), prompts(4, seed=3)
+    for temperature in (0.0, 1.0):
+        assert (batched(target64, drafter, head, ids, temperature, block_size=block_size)
+                == batch_one(target64, drafter, head, ids, temperature, block_size=block_size))
+
+
+def test_greedy_baseline_in_batches_stops_per_row(target64):
+    ids = prompts(6, seed=4)
+    eos = greedy_generate(target64, ids[2], MAX_NEW)[5]  # row 2 stops early
+    expected = [greedy_generate(target64, p, MAX_NEW, {eos}) for p in ids]
+    assert run_to_end(greedy_batch_steps(target64, ids, MAX_NEW, {eos}, batch_size=4)) == expected
+    assert len(expected[2]) == 6
+
+
+@pytest.mark.parametrize("name,alone", [("qwen3", False), ("llama3", False), ("gemma3", True), ("qwen3_5", True)])
+def test_caches_that_cannot_be_cut_per_row_decode_one_prompt_at_a_time(name, alone):
+    target = family_target(name, num_layers=4, vocab=VOCAB).double()
+    assert single(target) is alone
+    drafter, head, ids = random_drafter(), TargetHead.of(target), prompts(3, seed=5)
+    drafter.config.num_target_layers = 4
+    assert batched(target, drafter, head, ids) == batch_one(target, drafter, head, ids)
+
+
+def test_a_ragged_cache_compacts_to_each_rows_columns(target64):
+    """After rejections and compaction each row's next-token logits equal those of a
+    cache of its own accepted tokens only."""
+    ids, cache = prompts(2, seed=6), RaggedCache()
+    with torch.no_grad():
+        for p in ids:
+            row = DynamicCache(config=target64.config)
+            with_cache(target64, row, input_ids=p)
+            cache.join(row)
+        blocks = torch.randint(0, VOCAB - 1, (6, 2, B), generator=torch.Generator().manual_seed(0))
+        kept, length = [[], []], [p.shape[1] for p in ids]
+        for block, keep in zip(blocks, ([1, 4], [4, 1]) * 3):
+            positions = torch.tensor(length)[:, None] + torch.arange(B)
+            cache.forward(target64, block, positions)
+            cache.keep(torch.tensor(keep), B)
+            for r in range(2):
+                kept[r] += block[r, : keep[r]].tolist()
+                length[r] += keep[r]
+        assert cache.valid.shape[1] < ids[1].shape[1] + 6 * B  # compacted on the way
+        nxt = torch.tensor([[7], [8]])
+        logits = cache.forward(target64, nxt, torch.tensor(length)[:, None]).logits[:, -1]
+        for r, p in enumerate(ids):
+            alone = target64(input_ids=torch.cat([p, torch.tensor([kept[r] + [7 + r]])], dim=1)).logits[0, -1]
+            torch.testing.assert_close(logits[r], alone, rtol=1e-9, atol=1e-9)
+
+
+def test_baselines_are_keyed_by_the_weights_and_kept_in_their_file(tmp_path, target64):
+    other = varied_target(vocab=VOCAB, seed=2).double()
+    assert fingerprint(target64) == fingerprint(varied_target(vocab=VOCAB).double()) != fingerprint(other)
+    store, ids = GreedyBaselines(tmp_path / "b.json"), prompts(2)
+    keys = store.keys(target64, ids, MAX_NEW, {1})
+    assert len(set(keys)) == 2 and keys != store.keys(other, ids, MAX_NEW, {1}) != store.keys(target64, ids, 8, {1})
+    store.put({keys[0]: [1, 2, 3]})
+    assert GreedyBaselines(tmp_path / "b.json").get(keys[0]) == [1, 2, 3]
+    (tmp_path / "b.json").write_text("{broken")
+    assert GreedyBaselines(tmp_path / "b.json").get(keys[0]) is None
