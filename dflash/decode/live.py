@@ -13,7 +13,7 @@ Where it runs:
 * disaggregated, on target rank 0. The first drafter rank sends the weights over a
   dedicated link (its own communicator, so the transfer can never queue behind a
   bundle) and goes on training. Target rank 0 receives them before its next
-  micro-batch and decodes in slices of one drafting cycle, only while it waits for
+  micro-batch and decodes in slices of one batched drafting cycle, only while it waits for
   its drafters to take a bundle, so the drafters lose no more than the copy of the
   weights. The record comes back through the control store. On the CPU, where a
   gloo send cannot be polled, target rank 0 decodes at once when the weights
@@ -88,8 +88,8 @@ def flat_weights(drafter: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 class Evaluator:
     """Holds a decoding copy of the drafter next to the target and evaluates it in
-    slices: :meth:`advance` does one prompt's prefill, one drafting cycle or one
-    baseline token."""
+    slices: :meth:`advance` does one prompt's prefill, one drafting cycle of the batch
+    (:mod:`dflash.decode.batch`) or one baseline step of the batch."""
 
     def __init__(self, target: Target, tokenizer: PreTrainedTokenizerBase, head: TargetHead, config: DrafterConfig,
                  settings: LiveEvalSettings):
@@ -143,9 +143,9 @@ class Evaluator:
         flight until a drafter takes them: each such first use cost about 1 s on two
         H200s (``tools/pending_send_probe.py``). An evaluation's eager decoding runs
         kernels that training never does; here they are loaded while nothing is in
-        flight. The prefills are the shapes every evaluation runs, and one drafting
-        cycle and one baseline token per prompt load the attention and GEMM kernels of
-        the cycles. Attention plans per key length are what it cannot cover; decoding
+        flight. The prefills are the shapes every evaluation runs, and one batched
+        drafting cycle and one baseline step per batch load the attention and GEMM
+        kernels of the cycles. Attention plans per key length are what it cannot cover; decoding
         avoids them (:func:`dflash.eval.decoding_attention`). The plain greedy outputs
         this decodes are cut short: not kept."""
         began = time.perf_counter()
