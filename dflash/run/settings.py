@@ -13,7 +13,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.decode.live import LiveEvalSettings
-from dflash.decode.speculative import DecodeSettings
+from dflash.decode.speculative import BASELINE_FILE, DecodeSettings
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ def template_kwargs(cfg: DictConfig) -> dict:
 def decode_settings(cfg: DictConfig) -> DecodeSettings:
     """The ``eval`` group's budgets, greedy, with the template arguments training renders with."""
     return DecodeSettings(max_new_tokens=int(cfg.eval.max_new_tokens), max_prompts=int(cfg.eval.max_prompts),
-                          template_kwargs=template_kwargs(cfg))
+                          batch_size=int(cfg.eval.batch_size), template_kwargs=template_kwargs(cfg))
 
 
 def eval_every(cfg: DictConfig) -> int:
@@ -97,7 +97,8 @@ def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:
         raise ValueError(f"eval.every={every} needs held-out prompts: set data.eval_path")
     temperature = cfg.eval.get("temperature")
     temperatures = (0.0,) if temperature is None else (0.0, float(temperature))
-    return LiveEvalSettings(every, str(cfg.data.eval_path), replace(decode_settings(cfg), temperatures=temperatures))
+    return LiveEvalSettings(every, str(cfg.data.eval_path), replace(decode_settings(cfg), temperatures=temperatures),
+                            baseline_path=str(Path(cfg.output_dir) / BASELINE_FILE))
 
 
 def export_eval(cfg: DictConfig) -> ExportEval | None:
