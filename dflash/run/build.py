@@ -125,13 +125,25 @@ def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:
 
 
 def split_by_flops(job: Job, world: int, target: nn.Module, drafter: DFlashDrafter) -> int:
-    """Target ranks of ``world`` from the FLOPs of both sides (the drafter's count takes the
-    frozen LM head it runs through too)."""
-    target_params = sum(p.numel() for p in target.parameters())
+    """Target ranks of ``world`` from the FLOPs of both sides (the target's count takes the
+    experts a token runs through, the drafter's the frozen LM head it runs through too)."""
+    text = target.config.get_text_config()
+    target_params = active_params(target, text)
     head_params = target.get_output_embeddings().weight.numel()
     drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
     return auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len,
                              job.tensor_parallel)
+
+
+def active_params(module: nn.Module, text: PretrainedConfig) -> float:
+    """The parameters of ``module`` (a target or one of its layers) that one token runs
+    through: of the routed experts (the ``experts`` modules' weights) only
+    ``num_experts_per_tok`` of every expert count; the router, a shared expert and
+    everything else count whole (tied weights once)."""
+    experts = next((getattr(text, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(text, key, None)), None)
+    share = getattr(text, "num_experts_per_tok", 0) / experts if experts else 1.0
+    return sum(p.numel() * (share if ".experts." in f".{name}" else 1.0) for name, p in module.named_parameters())
 
 
 def auto_split(job: Job, world: int) -> int:

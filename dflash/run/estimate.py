@@ -24,7 +24,7 @@ from dflash.distributed.topology import Topology, TopologyError
 from dflash.model.drafter import FULL, DrafterConfig
 from dflash.model.target import decoder_layers
 from dflash.objective.anchors import sample_starts
-from dflash.run.build import Job, auto_split, meta_models, split_by_flops
+from dflash.run.build import Job, active_params, auto_split, meta_models, split_by_flops
 from dflash.run.plan import Plan
 
 GIB = 2**30
@@ -95,16 +95,6 @@ def dflash2_flops(d: DrafterConfig, num_anchors: int, vocab_size: int) -> float:
         + 4 * k * h * td
         + 6 * h * r * td + 12 * k * r * td
     )
-
-
-def active_params(layer: torch.nn.Module, text) -> float:
-    """The parameters of a decoder layer that one token runs through: of the routed experts
-    (the ``experts`` module's weights) only ``num_experts_per_tok`` of every expert count;
-    the router, a shared expert and everything else count whole."""
-    experts = next((getattr(text, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(text, key, None)), None)
-    share = getattr(text, "num_experts_per_tok", 0) / experts if experts else 1.0
-    return sum(p.numel() * (share if ".experts." in f".{name}" else 1.0) for name, p in layer.named_parameters())
 
 
 def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int],
