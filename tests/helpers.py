@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, TargetHead
@@ -191,3 +192,52 @@ def forward_on_noise(drafter: nn.Module, seed: int = 0) -> torch.Tensor:
     ctx, blk = torch.randn(1, 9, 3 * 64, generator=g), torch.randn(1, 4, 64, generator=g)
     with torch.no_grad():
         return drafter(ctx, blk, torch.arange(9)[None], torch.arange(9, 13)[None])
+
+
+class PromptScriptDrafter(nn.Module):
+    """Recognises each row's prompt by its context features (checked against the target's
+    hidden states of the accepted prefix; a batched forward masks the padding) and
+    proposes that prompt's scripted tokens at the block's positions. Its "hidden state"
+    is the proposal, which :class:`OneHotHead` turns into logits. ``scripts`` holds a
+    (sequence, proposals) pair per prompt: the sequence the target's features come
+    from, and a token per position of it."""
+
+    def __init__(self, config, target: nn.Module, scripts: list[tuple[list[int], list[int]]],
+                 dtype: torch.dtype = torch.float32, tol: float = 1e-4):
+        super().__init__()
+        self.config, self.dtype, self.tol = config, dtype, tol
+        self.scripts = []
+        for sequence, proposals in scripts:
+            with torch.no_grad():
+                hs = target(input_ids=torch.tensor([sequence]), output_hidden_states=True).hidden_states
+            features = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)[0]
+            self.scripts.append((features, torch.tensor(proposals)))
+
+    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
+        width = ctx_features.shape[1]
+        lengths = [width] * len(ctx_features) if mask is None else mask[:, 0, 0, :width].sum(-1).tolist()
+        rows = []
+        for features, p, positions in zip(ctx_features, lengths, block_positions):
+            found = [proposals for script, proposals in self.scripts
+                     if p <= len(script) and torch.allclose(features[:p], script[:p], rtol=self.tol, atol=self.tol)]
+            assert len(found) == 1, f"context of length {p} matches {len(found)} scripted prompts"
+            assert int(positions[0]) == p
+            rows.append(found[0][positions].to(self.dtype)[:, None])
+        return torch.stack(rows)
+
+    def draft_logits(self, head, hidden: torch.Tensor) -> torch.Tensor:
+        return head.logits(hidden).float()
+
+
+class OneHotHead:
+    """Embeds nothing; turns a :class:`PromptScriptDrafter`'s proposals into one-hot logits."""
+
+    def __init__(self, vocab: int, dtype: torch.dtype = torch.float32):
+        self.vocab, self.dtype = vocab, dtype
+        self.embed_weight = torch.zeros(1, 1, dtype=dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, 1, dtype=self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.one_hot(hidden[..., 0].long(), self.vocab).to(self.dtype)

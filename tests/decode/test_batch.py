@@ -7,9 +7,15 @@ import random
 
 import pytest
 import torch
-from helpers import family_target, greedy_reference, tiny_drafter, varied_target
+from helpers import (
+    OneHotHead,
+    PromptScriptDrafter,
+    family_target,
+    greedy_reference,
+    tiny_drafter,
+    varied_target,
+)
 from torch import nn
-from torch.nn import functional as F
 from transformers import DynamicCache
 
 from dflash.decode.baseline import GreedyBaselines, fingerprint
@@ -63,55 +69,23 @@ def batched(target, drafter, head, ids: list[torch.Tensor], temperature: float =
                                               **kwargs))
 
 
-class PrefixDrafter(nn.Module):
-    """Recognises each row's prompt by its context features (checking them against the
-    target's hidden states of the accepted prefix) and proposes that prompt's greedy
-    continuation, wrong at scripted positions: many acceptance lengths, different per row."""
-
-    def __init__(self, config, target: nn.Module, ids: list[torch.Tensor], wrong: float):
-        super().__init__()
-        self.config = config
-        self.scripts = []
-        for k, p in enumerate(ids):
-            seq = greedy_reference(target, p[0].tolist(), p.shape[1] + MAX_NEW + B)
-            with torch.no_grad():
-                hs = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
-            features = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)[0]
-            rng = random.Random(k)
-            proposals = [(t + 1) % VOCAB if rng.random() < wrong else t for t in seq]
-            self.scripts.append((features, torch.tensor(proposals)))
-
-    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
-        width = ctx_features.shape[1]
-        lengths = [width] * len(ctx_features) if mask is None else mask[:, 0, 0, :width].sum(-1).tolist()
-        rows = []
-        for features, p, positions in zip(ctx_features, lengths, block_positions):
-            found = [proposals for script, proposals in self.scripts
-                     if p <= len(script) and torch.allclose(features[:p], script[:p], rtol=1e-9, atol=1e-9)]
-            assert len(found) == 1 and int(positions[0]) == p
-            rows.append(found[0][positions].double()[:, None])
-        return torch.stack(rows)
-
-    def draft_logits(self, head, hidden: torch.Tensor) -> torch.Tensor:
-        return head.logits(hidden).float()
-
-
-class ProposalHead:
-    """Turns a PrefixDrafter's proposals into one-hot logits."""
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, 1, dtype=torch.float64)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.one_hot(hidden[..., 0].long(), VOCAB).double()
+def prefix_drafter(target: nn.Module, ids: list[torch.Tensor], wrong: float) -> PromptScriptDrafter:
+    """Proposes each prompt's greedy continuation, wrong at scripted positions: many
+    acceptance lengths, different per row."""
+    scripts = []
+    for k, p in enumerate(ids):
+        seq = greedy_reference(target, p[0].tolist(), p.shape[1] + MAX_NEW + B)
+        rng = random.Random(k)
+        scripts.append((seq, [(t + 1) % VOCAB if rng.random() < wrong else t for t in seq]))
+    return PromptScriptDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, target, scripts, torch.float64, 1e-9)
 
 
 def test_ragged_acceptance_gives_every_row_the_batch_one_result(target64):
     """Rows accept different numbers of drafts each cycle; 7 prompts through 3 places
     (rows finish and others join); each row equals the batch-1 loop and plain greedy."""
     ids = prompts(7)
-    drafter = PrefixDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, target64, ids, wrong=0.3)
-    head = ProposalHead()
+    drafter = prefix_drafter(target64, ids, wrong=0.3)
+    head = OneHotHead(VOCAB, torch.float64)
     expected = batch_one(target64, drafter, head, ids)
     assert batched(target64, drafter, head, ids) == expected
     assert [tokens for tokens, _ in expected] == [greedy_generate(target64, p, MAX_NEW) for p in ids]

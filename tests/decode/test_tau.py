@@ -11,10 +11,15 @@ which is (B + 1) / 2 for one of each, never the pooled mean over cycles.
 import json
 
 import pytest
-import torch
-from helpers import greedy_reference, tiny_drafter, varied_target, word_tokenizer
+from helpers import (
+    OneHotHead,
+    PromptScriptDrafter,
+    greedy_reference,
+    tiny_drafter,
+    varied_target,
+    word_tokenizer,
+)
 from torch import nn
-from torch.nn import functional as F
 
 from dflash.data.template import reply_end_ids
 from dflash.decode.speculative import (
@@ -51,62 +56,19 @@ def target() -> nn.Module:
     return varied_target(vocab=VOCAB)
 
 
-class OracleDrafter(nn.Module):
-    """Recognises its prompt by the context features (the target's hidden states of the
-    accepted prefix), then proposes that prompt's greedy continuation, or, for a
-    prompt marked wrong, a token that is never the greedy one."""
-
-    def __init__(self, config, target: nn.Module, prompts: dict[tuple[int, ...], bool]):
-        super().__init__()
-        self.config = config
-        self.scripts = []
-        for prompt, perfect in prompts.items():
-            seq = greedy_reference(target, list(prompt), len(prompt) + MAX_NEW + B)
-            with torch.no_grad():
-                hs = target(input_ids=torch.tensor([seq]), output_hidden_states=True).hidden_states
-            features = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)
-            proposals = seq if perfect else [(t + 1) % VOCAB for t in seq]
-            self.scripts.append((features, torch.tensor(proposals)))
-
-    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
-        """Row by row: a batched forward pads the contexts and masks the padding."""
-        width = ctx_features.shape[1]
-        lengths = [width] * len(ctx_features) if mask is None else mask[:, 0, 0, :width].sum(-1).tolist()
-        rows = []
-        for features, p, positions in zip(ctx_features, lengths, block_positions):
-            found = [
-                proposals for script, proposals in self.scripts
-                if p <= script.shape[1] and torch.allclose(features[:p], script[0, :p], atol=1e-4, rtol=1e-4)
-            ]
-            assert len(found) == 1, f"context of length {p} matches {len(found)} scripted prompts"
-            assert int(positions[0]) == p
-            rows.append(found[0][positions].float()[:, None])  # the "hidden state" is the proposal
-        return torch.stack(rows)
-
-    def draft_logits(self, head, hidden: torch.Tensor) -> torch.Tensor:
-        return head.logits(hidden).float()
-
-
-class OracleHead:
-    """Embeds nothing; turns an OracleDrafter's proposals into one-hot logits."""
-
-    def __init__(self):
-        self.embed_weight = torch.zeros(1, 1)
-
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, 1)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.one_hot(hidden[..., 0].long(), VOCAB).float()
-
-
 def conversation(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"w{i} w{i + 3} w{2 * i + 1} w{i + 7}"}]
 
 
-def oracle(target, tokenizer, perfect: dict[int, bool]) -> OracleDrafter:
-    prompts = {tuple(encode_prompt(tokenizer, conversation(i))[0].tolist()): ok for i, ok in perfect.items()}
-    return OracleDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, target, prompts)
+def oracle(target, tokenizer, perfect: dict[int, bool]) -> PromptScriptDrafter:
+    """Proposes each prompt's greedy continuation, or, for a prompt marked wrong, a token
+    that is never the greedy one."""
+    scripts = []
+    for i, ok in perfect.items():
+        prompt = encode_prompt(tokenizer, conversation(i))[0].tolist()
+        seq = greedy_reference(target, prompt, len(prompt) + MAX_NEW + B)
+        scripts.append((seq, seq if ok else [(t + 1) % VOCAB for t in seq]))
+    return PromptScriptDrafter(tiny_drafter(vocab=VOCAB, block_size=B).config, target, scripts)
 
 
 def expected_histogram(target, tokenizer, perfect: dict[int, bool], eos: set[int]) -> dict[str, int]:
@@ -129,7 +91,7 @@ def test_perfect_drafter_reports_tau_equal_to_the_block_size(target):
     tokenizer = word_tokenizer(VOCAB)
     perfect = {1: True, 2: True, 5: True}
     drafter = oracle(target, tokenizer, perfect)
-    report = evaluate(target, tokenizer, drafter, OracleHead(), prompts=[conversation(i) for i in perfect],
+    report = evaluate(target, tokenizer, drafter, OneHotHead(VOCAB), prompts=[conversation(i) for i in perfect],
                       settings=DecodeSettings(max_new_tokens=MAX_NEW))
     assert report["tau"] == float(B)
     assert report["lossless"] is True
@@ -153,7 +115,7 @@ def test_report_averages_per_response_then_over_responses_and_datasets(target, t
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     datasets = {name: str(tmp_path / f"{name}.jsonl") for name in ("perfect", "mixed")}
     out = tmp_path / "eval.json"
-    evaluate_datasets(target, tokenizer, tmp_path / "export", OracleHead(), datasets=datasets, out_path=out,
+    evaluate_datasets(target, tokenizer, tmp_path / "export", OneHotHead(VOCAB), datasets=datasets, out_path=out,
                       settings=DecodeSettings(max_new_tokens=MAX_NEW, max_prompts=8))
 
     report = json.loads(out.read_text())
