@@ -162,6 +162,7 @@ class Estimate:
     drafter_rate: float  # samples/s of one drafter rank
     rates_from: str
     tensor_parallel: int = 1  # target ranks per target replica
+    attention_from: str = ""  # where a packed plan's attention lengths come from
 
     @property
     def colocated(self) -> bool:
@@ -231,7 +232,7 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     head_params = embed.numel() + (0 if lm_head is embed else lm_head.numel())
     drafter_params = sum(p.numel() for p in drafter.parameters())
     seq_len = plan.padded_len
-    context, keys, _ = packed_attention(job)
+    context, keys, attention_from = packed_attention(job)
     t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids), keys)
     d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size, context)
     k = job.tensor_parallel
@@ -280,6 +281,7 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     return Estimate(
         world_size, num_targets, auto, target_params, drafter_params, head_params, bundle, plan.micro_per_step,
         target_gib, drafter_gib, _device_gib(job), t_flops, d_flops, target_rate, drafter_rate, rates_from, k,
+        attention_from,
     )
 
 
@@ -430,11 +432,10 @@ def format_estimate(job: Job, e: Estimate) -> str:
                      f"{plan.num_anchors} anchors per row, {1000 * plan.num_anchors / plan.max_len:.0f} per 1k tokens")
     else:
         lines.append(f"  micro-batch: {plan.micro_batch_size} sequence(s) of up to {plan.padded_len} tokens ({how})")
-    note = packed_attention(job)[2]
     lines.append(
         f"  FLOPs per {'row' if plan.packing else 'sample'}: target prefill {e.target_flops / 1e12:.1f} T, drafter step "
         f"{e.drafter_flops / 1e12:.1f} T (max_len {plan.max_len}, {plan.num_anchors} anchors, block {plan.block_size}"
-        f"{'; ' + note if note else ''})"
+        f"{'; ' + e.attention_from if e.attention_from else ''})"
     )
     if job.settings.live:
         every = job.settings.live.every
