@@ -53,7 +53,13 @@ from dflash.distributed.protocol import free_port, get_bytes, put_bytes, set_ran
 from dflash.distributed.transport import BundleReceiver, BundleSender
 from dflash.model.drafter import TargetHead
 from dflash.model.target import RANDOM, PrefillOutput, Target, random_target
-from dflash.run.build import Job, build_job, build_trainer, warm_drafter
+from dflash.run.build import (
+    Job,
+    build_job,
+    build_trainer,
+    prepare_packing,
+    warm_drafter,
+)
 from dflash.run.checkpoint import CheckpointWriter, checkpoints
 from dflash.run.config import compose_config
 from dflash.run.estimate import (
@@ -201,8 +207,8 @@ class Bench:
         else:
             self.batches = [random_batch(self.micro, self.seq_len, vocab, plan.anchor_spec(), seed=i) for i in range(2)]
         self.target = Target(self.model, list(plan.layer_ids))
-        if plan.packing and self.device.type == "cuda":
-            self.target.attend_packed_with_flex()
+        if plan.packing:
+            prepare_packing(self.target, self.device, self.dtype)
         self.tokens = sum(int(b.lengths.sum()) for b in self.batches) / len(self.batches)  # real tokens per micro-batch
 
     def positions(self, batch: MicroBatch) -> torch.Tensor | None:

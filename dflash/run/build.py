@@ -234,6 +234,14 @@ def check_packing(target: Target, dtype: torch.dtype) -> None:
              type(target.model).__name__, error)
 
 
+def prepare_packing(target: Target, device: torch.device, dtype: torch.dtype) -> None:
+    """A target for packed rows: on CUDA attending with flex attention where its family has
+    it, then checked to keep its packed samples apart (:func:`check_packing`)."""
+    if device.type == "cuda" and target.attend_packed_with_flex():
+        log.info("train.packing: the target attends with flex attention, skipping other samples' tiles")
+    check_packing(target, dtype)
+
+
 def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> TargetSide:
     """The target (this rank's shard of it over ``group``, a tensor-parallel target
     group), the data and the sample order."""
@@ -247,9 +255,7 @@ def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> Targe
                  dist.get_process_group_ranks(group))
     target = Target(model, list(plan.layer_ids))
     if plan.packing:
-        if job.device.type == "cuda" and target.attend_packed_with_flex():
-            log.info("train.packing: the target attends with flex attention, skipping other samples' tiles")
-        check_packing(target, job.dtype)
+        prepare_packing(target, job.device, job.dtype)
     if job.compile.target:
         target.compile(job.compile)
     max_len = plan.max_len
