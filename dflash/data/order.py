@@ -33,7 +33,27 @@ def bucket_length(length: int, buckets: list[int]) -> int:
     raise ValueError(f"sequence of {length} tokens exceeds the largest bucket {max(buckets)}")
 
 
-class SampleOrder:
+class EpochSteps:
+    """Optimizer steps of ``batch_size`` consecutive units (samples, or packed rows) of each
+    epoch's order, split into micro-batches of ``micro_batch_size``: where global
+    micro-batch ``m`` starts. The units after the last whole step of an epoch wait for the
+    next epoch."""
+
+    def __init__(self, batch_size: int, micro_batch_size: int):
+        if batch_size % micro_batch_size:
+            raise ValueError(f"train.batch_size={batch_size} is not a multiple of train.micro_batch_size={micro_batch_size}")
+        self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
+        self.micro_per_step = batch_size // micro_batch_size
+        self.steps_per_epoch = 0
+
+    def place(self, m: int) -> tuple[int, int]:
+        """(epoch, index of its first unit in the epoch's order) of global micro-batch ``m``."""
+        step, within = divmod(m, self.micro_per_step)
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        return epoch, step_in_epoch * self.batch_size + within * self.micro_batch_size
+
+
+class SampleOrder(EpochSteps):
     """Which samples form global micro-batch ``m``: a pure function of seed and ``m``.
 
     Each epoch is a seeded permutation of the dataset; an optimizer step takes
@@ -42,13 +62,11 @@ class SampleOrder:
     """
 
     def __init__(self, num_samples: int, batch_size: int, micro_batch_size: int, seed: int):
-        if batch_size % micro_batch_size:
-            raise ValueError(f"train.batch_size={batch_size} is not a multiple of train.micro_batch_size={micro_batch_size}")
+        super().__init__(batch_size, micro_batch_size)
         if num_samples < batch_size:
             raise ValueError(f"{num_samples} samples are fewer than one batch (train.batch_size={batch_size})")
-        self.num_samples, self.batch_size, self.micro_batch_size, self.seed = num_samples, batch_size, micro_batch_size, seed
+        self.num_samples, self.seed = num_samples, seed
         self.steps_per_epoch = num_samples // batch_size
-        self.micro_per_step = batch_size // micro_batch_size
         self._perms: dict[int, np.ndarray] = {}
 
     def permutation(self, epoch: int) -> np.ndarray:
@@ -58,9 +76,7 @@ class SampleOrder:
 
     def micro_batch(self, m: int) -> tuple[int, np.ndarray]:
         """(epoch, sample indices) of global micro-batch ``m``."""
-        step, within = divmod(m, self.micro_per_step)
-        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        start = step_in_epoch * self.batch_size + within * self.micro_batch_size
+        epoch, start = self.place(m)
         return epoch, self.permutation(epoch)[start : start + self.micro_batch_size]
 
     def rows(self, m: int) -> tuple[int, list[np.ndarray]]:
@@ -98,30 +114,27 @@ def best_fit(lengths: np.ndarray, order: np.ndarray, budget: int) -> list[np.nda
     return [np.asarray(r) for r in rows]
 
 
-class PackedOrder:
+class PackedOrder(EpochSteps):
     """Which packed rows form global micro-batch ``m`` (``train.packing``): a pure
     function of the seed, ``m`` and the sample lengths.
 
     Each epoch packs a seeded permutation of the dataset into rows of ``budget`` tokens
     (:func:`best_fit`), then shuffles the rows with the seed; an optimizer step takes
-    ``batch_size`` consecutive rows, split into micro-batches of ``micro_batch_size``.
-    The rows left over after the last whole step of an epoch wait for the next epoch,
-    as :class:`SampleOrder` leaves its remainder."""
+    ``batch_size`` consecutive rows, split into micro-batches of ``micro_batch_size``
+    (:class:`EpochSteps`)."""
 
     def __init__(self, lengths: Sequence[int], budget: int, batch_size: int, micro_batch_size: int, seed: int):
-        if batch_size % micro_batch_size:
-            raise ValueError(f"train.batch_size={batch_size} is not a multiple of train.micro_batch_size={micro_batch_size}")
+        super().__init__(batch_size, micro_batch_size)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         if len(self.lengths) and self.lengths.max() > budget:
             raise ValueError(f"a sample of {self.lengths.max()} tokens does not fit a packed row of train.max_len={budget}")
-        self.budget, self.batch_size, self.micro_batch_size, self.seed = budget, batch_size, micro_batch_size, seed
+        self.budget, self.seed = budget, seed
         self._packs: dict[int, list[np.ndarray]] = {}
         self.num_rows = len(self.packs(0))
         if self.num_rows < batch_size:
             raise ValueError(f"{len(self.lengths)} samples pack into {self.num_rows} rows of {budget} tokens, fewer "
                              f"than one batch (train.batch_size={batch_size} rows)")
         self.steps_per_epoch = self.num_rows // batch_size
-        self.micro_per_step = batch_size // micro_batch_size
 
     def packs(self, epoch: int) -> list[np.ndarray]:
         """The rows of ``epoch`` in training order."""
@@ -138,9 +151,7 @@ class PackedOrder:
 
     def rows(self, m: int) -> tuple[int, list[np.ndarray]]:
         """(epoch, the packed rows) of global micro-batch ``m``."""
-        step, within = divmod(m, self.micro_per_step)
-        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
-        start = step_in_epoch * self.batch_size + within * self.micro_batch_size
+        epoch, start = self.place(m)
         return epoch, self.packs(epoch)[start : start + self.micro_batch_size]
 
 
