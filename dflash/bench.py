@@ -4,6 +4,7 @@
     python -m dflash.bench target=qwen3_8b train=paper          # the Qwen3-8B bars
     python -m dflash.bench --warmup-procs 4 compile.enabled=true train.buckets=[320]
     python -m dflash.bench --p2p target=qwen3_8b train=paper    # two GPUs: bundle bandwidth
+    python -m dflash.bench --decode 64x256 target=qwen3_8b      # decoding speed: the live evaluation
 
 Weights are random (speed does not depend on them): the target comes from the
 ``shape`` of its ``conf/target`` entry, or from the shipped model's config.json.
@@ -17,7 +18,11 @@ the FLOP count of docs/DESIGN.md section 6 (printed with the table) over
 drafter processes on this machine, each with its own compile cache, all at once
 against staggered (later turns receive the first rank's compiled code); ``--p2p``
 sends bundles of the configured shapes between two local ranks (NCCL on two
-GPUs, gloo on the CPU) against a raw send of the same bytes.
+GPUs, gloo on the CPU) against a raw send of the same bytes. ``--decode NxM`` (several,
+comma-separated) instead times what an evaluation decodes: N random prompts of 64-512
+tokens, M new tokens each (no stop token), speculative with a random drafter in batches
+of ``eval.batch_size`` and at batch 1, and the plain greedy baseline; a random drafter
+accepts about one token per cycle, the slowest case.
 """
 
 from __future__ import annotations
@@ -48,15 +53,18 @@ from dflash.compile import (
 from dflash.data.bundle import MicroBatch, random_batch, random_prefill
 from dflash.data.dataset import synthetic_dataset
 from dflash.data.order import collate
+from dflash.decode.batch import greedy_batch_steps, speculative_batch_steps
+from dflash.decode.speculative import run_to_end, tau
 from dflash.device import peak_memory_gib, synchronize
 from dflash.distributed.protocol import free_port, get_bytes, put_bytes, set_rank_env
 from dflash.distributed.transport import BundleReceiver, BundleSender
-from dflash.model.drafter import TargetHead
+from dflash.model.drafter import DFlashDrafter, TargetHead
 from dflash.model.target import RANDOM, PrefillOutput, Target, random_target
 from dflash.run.build import (
     Job,
     build_job,
     build_trainer,
+    drafter_config,
     prepare_packing,
     warm_drafter,
 )
@@ -519,7 +527,80 @@ def run_p2p(overrides: list[str], rounds: int) -> dict:
         return {"p2p": json.loads(Path(out, "p2p.json").read_text()), "overrides": overrides}
 
 
+def parse_decode(spec: str) -> list[tuple[int, int]]:
+    """``"64x256,32x2048"`` as [(prompts, new tokens), ...]."""
+    try:
+        return [(int(n), int(m)) for n, m in (part.split("x") for part in spec.split(","))]
+    except ValueError:
+        raise SystemExit(f"--decode takes PROMPTSxNEW_TOKENS[,...], e.g. 64x256, not {spec!r}") from None
+
+
+def timed_decode(steps, device: torch.device) -> tuple[object, float]:
+    """Run a sliced decoding to its end under the decoding attention kernels: its result
+    and wall seconds."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = run_to_end(steps)
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 4) -> dict:
+    """Decoding speed at the target's shapes: per spec, the speculative decoding of the
+    batch of prompts (``eval.batch_size`` at a time), then the first ``batch_one`` of them
+    at batch 1 (the loop before batching), then the plain greedy baseline in batches."""
+    device, dtype = job.device, job.dtype
+    model = random_target(job.target_config, device, dtype, job.plan.seed)
+    head = TargetHead.of(model)
+    torch.manual_seed(job.plan.seed)
+    with torch.device(device):
+        drafter = DFlashDrafter(drafter_config(job))
+    drafter.reset_parameters(job.cfg.drafter.init_std)
+    drafter = drafter.to(dtype).eval().requires_grad_(False)
+    batch_size = int(job.cfg.eval.batch_size)
+    generator = torch.Generator().manual_seed(job.plan.seed)
+    rows = []
+    for prompts, new_tokens in specs:
+        lengths = torch.randint(64, 513, (prompts,), generator=generator).tolist()
+        ids = [torch.randint(0, head.vocab_size, (1, n), generator=generator).to(device) for n in lengths]
+
+        def speculative(batch: int, count: int) -> dict:
+            decoded, seconds = timed_decode(speculative_batch_steps(
+                model, drafter, head, ids[:count], max_new_tokens=new_tokens, batch_size=batch), device)
+            cycles = sum(len(a) for _, a in decoded)
+            tokens = sum(len(t) for t, _ in decoded)
+            return {"role": "decode", "mode": f"speculative, batch {batch}", "prompts": count,
+                    "new_tokens": tokens, "cycles": cycles, "wall_s": round(seconds, 2),
+                    "tokens_per_s": round(tokens / seconds), "tau": round(tau([a for _, a in decoded]), 3),
+                    "outputs": [t for t, _ in decoded]}
+
+        run_to_end(speculative_batch_steps(model, drafter, head, ids[:2], max_new_tokens=2, batch_size=2))  # kernels
+        batched = speculative(batch_size, prompts)
+        single = speculative(1, min(batch_one, prompts))
+        baseline, seconds = timed_decode(greedy_batch_steps(model, ids, new_tokens, batch_size=batch_size), device)
+        tokens = sum(map(len, baseline))
+        outputs = batched.pop("outputs")
+        single.pop("outputs")
+        batched["evaluation_s"] = round(batched["wall_s"] + seconds, 2)
+        rows += [batched, single, {
+            "role": "decode", "mode": f"greedy baseline, batch {batch_size}", "prompts": prompts,
+            "new_tokens": tokens, "wall_s": round(seconds, 2), "tokens_per_s": round(tokens / seconds),
+            "lossless_prompts": sum(a == b for a, b in zip(outputs, baseline)),
+        }]
+        log.info("%s", rows[-3:])
+    return {"decode": rows, "target": job.cfg.target.name, "dtype": str(dtype).removeprefix("torch."),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+
+
 def format_report(report: dict) -> str:
+    if "decode" in report:
+        lines = [f"decoding, {report['target']} (random weights, {report['dtype']}) and a random drafter on "
+                 f"{report['device']} (torch {report['torch']})"]
+        for r in report["decode"]:
+            extra = "".join(f", {k} {r[k]}" for k in ("cycles", "tau", "evaluation_s", "lossless_prompts") if k in r)
+            lines.append(f"  {r['mode']}: {r['prompts']} prompts, {r['new_tokens']} new tokens in {r['wall_s']} s, "
+                         f"{r['tokens_per_s']} tokens/s{extra}")
+        return "\n".join(lines)
     if "p2p" in report:
         r = report["p2p"]
         return (
@@ -577,12 +658,15 @@ def main() -> None:
                         help="also profile the drafter step of this mode, or the colocated step")
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step in the drafter and colocated rows")
+    parser.add_argument("--decode", metavar="NxM", help="time decoding N prompts x M new tokens instead, e.g. 64x256")
     parser.add_argument("--checkpoint", metavar="DIR", help="also time a checkpoint save and load under DIR")
     parser.add_argument("--out", default="bench.json")
     args = parser.parse_intermixed_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = ["wandb.mode=disabled", *args.overrides]
-    if args.p2p:
+    if args.decode:
+        report = run_decode(bench_job(overrides), parse_decode(args.decode))
+    elif args.p2p:
         report = run_p2p(overrides, args.steps)
     elif args.warmup_procs:
         report = run_warmup(overrides, args.warmup_procs)

@@ -51,13 +51,16 @@ def teacher_at(
 class LossOutput:
     loss_sum: torch.Tensor  # scalar, sum_i w_i * (ce_weight * ce_i + kl_weight * kl_i)
     predictions: torch.Tensor  # [rows] argmax of the drafter logits
+    top_values: torch.Tensor | None = None  # [rows, k] the k largest logits, in float32 or wider (top_k > 0)
+    top_ids: torch.Tensor | None = None  # [rows, k] their token ids
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size):
+    def forward(ctx, hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size,
+                top_k):
         total = hidden.new_zeros((), dtype=torch.float32)
-        grads, predictions = [], []
+        grads, predictions, top_values, top_ids = [], [], [], []
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             logits = hidden[rows] @ head_weight.t()
@@ -82,15 +85,22 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 grad_logits.scatter_(1, idx, at_idx.to(grad_logits.dtype))
             grads.append((grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype))
             predictions.append(argmax)
+            if top_k:  # the DFlash2 selector's candidates, from these logits rather than a second pass
+                values, ids = logits.topk(top_k, dim=-1)
+                top_values.append(values.to(torch.promote_types(values.dtype, torch.float32)))
+                top_ids.append(ids)
         grad_hidden, predictions = torch.cat(grads), torch.cat(predictions)
         ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(predictions)
-        return total, predictions
+        if not top_k:
+            top_values, top_ids = [hidden.new_empty(hidden.shape[0], 0, dtype=torch.float32)], [predictions[:, None][:, :0]]
+        top_values, top_ids = torch.cat(top_values), torch.cat(top_ids)
+        ctx.mark_non_differentiable(predictions, top_values, top_ids)
+        return total, predictions, top_values, top_ids
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_predictions):
+    def backward(ctx, grad_total, _grad_predictions, _grad_values, _grad_ids):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), *[None] * 9
 
 
 def head_loss(
@@ -103,21 +113,27 @@ def head_loss(
     ce_weight: float = 1.0,
     kl_weight: float = 0.0,
     chunk_size: int = 1024,
+    top_k: int = 0,
 ) -> LossOutput:
     """Loss of ``hidden [rows, H]`` through the frozen ``head_weight [V, H]``.
 
     ``teacher_idx``/``teacher_logits`` ``[rows, k]`` are the target's top-k logits
     for the token each row predicts; the KL is taken against their softmax.
+    ``top_k > 0`` also returns each row's ``top_k`` largest logits and their ids (not
+    differentiable here; :mod:`dflash.objective.selector` rebuilds their gradient), read
+    from the logits this pass computes anyway.
     """
     if kl_weight and teacher_logits is None:
         raise ValueError("loss.kl_weight > 0 needs the target's top-k logits (loss.kl_topk > 0)")
     if teacher_idx is None:
         teacher_idx = labels[:, None]
         teacher_logits = hidden.new_zeros(labels.shape[0], 1, dtype=torch.float32)
-    total, predictions = _ChunkedHeadLoss.apply(
-        hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size
+    total, predictions, top_values, top_ids = _ChunkedHeadLoss.apply(
+        hidden, head_weight, labels, weights, teacher_idx, teacher_logits, ce_weight, kl_weight, chunk_size, top_k
     )
-    return LossOutput(total, predictions)
+    if not top_k:
+        return LossOutput(total, predictions)
+    return LossOutput(total, predictions, top_values, top_ids)
 
 
 def slot_accuracy(predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, block_size: int):

@@ -38,24 +38,23 @@ def widened(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-class _TopKLogits(torch.autograd.Function):
-    """The top-k logits of ``hidden @ head_weight.T`` and their ids, differentiable in
-    ``hidden``. The full ``[rows, V]`` logits live only inside the forward; the backward
-    rebuilds the gradient from the k head rows of each row, so autograd keeps the ids."""
+class _CandidateLogits(torch.autograd.Function):
+    """The candidates' unary logits ``[rows, k]``, taken as computed by the head loss's pass
+    (:func:`dflash.objective.loss.head_loss` with ``top_k``), made differentiable in
+    ``hidden``: the gradient is rebuilt from the k head rows of each row, so the full
+    ``[rows, V]`` logits are never computed a second time."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, k: int):
-        values, ids = widened(hidden @ head_weight.t()).topk(k, dim=-1)
+    def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, values: torch.Tensor, ids: torch.Tensor):
         ctx.save_for_backward(head_weight, ids)
         ctx.hidden_dtype = hidden.dtype
-        ctx.mark_non_differentiable(ids)
-        return values, ids
+        return values.clone()
 
     @staticmethod
-    def backward(ctx, grad_values: torch.Tensor, _grad_ids):
+    def backward(ctx, grad_values: torch.Tensor):
         head_weight, ids = ctx.saved_tensors
         grad = torch.einsum("nk,nkh->nh", grad_values.to(head_weight.dtype), head_weight[ids])
-        return grad.to(ctx.hidden_dtype), None, None
+        return grad.to(ctx.hidden_dtype), None, None, None
 
 
 @dataclass
@@ -67,9 +66,10 @@ class SelectorLoss:
 
 def selector_loss(
     transition: Transition,
-    top_k: int,
     hidden: torch.Tensor,
     head_weight: torch.Tensor,
+    top_values: torch.Tensor,
+    top_ids: torch.Tensor,
     labels: torch.Tensor,
     predecessor_ids: torch.Tensor,
     weights: torch.Tensor,
@@ -78,17 +78,22 @@ def selector_loss(
     chunk_size: int = 1024,
 ) -> SelectorLoss:
     """The selector loss of drafted slots with final-normed ``hidden [rows, H]``, labels,
-    predecessors and decay ``weights`` ``[rows]``, over the ``top_k`` candidates of the
-    frozen ``head_weight [V, H]``, rescored by ``transition``.
+    predecessors and decay ``weights`` ``[rows]``, over each row's candidates: the
+    ``top_values``/``top_ids [rows, k]`` of the frozen ``head_weight [V, H]``'s logits, as
+    the head loss's pass returns them, rescored by ``transition``.
 
     ``stop_gradient`` keeps this term out of the drafter's layers: only the selector's
-    own parameters learn from it. Rows go through the head ``chunk_size`` at a time."""
+    own parameters learn from it. Rows are scored ``chunk_size`` at a time."""
     total = widened(hidden.new_zeros(()))
     covered = correct = total.detach().clone()
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        h = hidden[rows].detach() if stop_gradient else hidden[rows]
-        unary, candidates = _TopKLogits.apply(h, head_weight, top_k)
+        candidates = top_ids[rows]
+        if stop_gradient:
+            h, unary = hidden[rows].detach(), top_values[rows]
+        else:
+            h = hidden[rows]
+            unary = _CandidateLogits.apply(h, head_weight, top_values[rows], candidates)
         scores = unary + widened(transition(h, predecessor_ids[rows], candidates))
         hit = candidates == labels[rows, None]
         target = hit.int().argmax(-1)

@@ -65,7 +65,7 @@ def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: 
     tq = num_anchors * d.block_size
     full_layers = d.attention_types.count(FULL)
     context = (seq_len - d.block_size) / 2 if context is None else context
-    return dflash2_flops(d, num_anchors, vocab_size) + (
+    return dflash2_flops(d, num_anchors) + (
         6 * attention_linear * d.num_layers * tq
         + 6 * mlp * ((d.num_layers - 1) * tq + num_anchors * (d.block_size - 1))
         + 6 * (2 * h * kv) * d.num_layers * seq_len
@@ -76,12 +76,13 @@ def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: 
     )
 
 
-def dflash2_flops(d: DrafterConfig, num_anchors: int, vocab_size: int) -> float:
+def dflash2_flops(d: DrafterConfig, num_anchors: int) -> float:
     """What a DFlash2 drafter adds to one row's training FLOPs (0 for DFlash): the last
     layer's MLP over every block row (its convolution at slot 1 reads slot 0), the
     kernel projections and taps of the two convolutions around each sublayer, and the
-    selector: a top-k pass over the LM head, the gradient of the k logits it keeps, and
-    the low-rank scoring."""
+    selector: the gradient of the k logits it keeps and the low-rank scoring. Its
+    candidates cost no FLOPs of their own: they are the top-k of the logits the loss's
+    pass over the LM head computes anyway."""
     v2 = d.dflash2
     if v2 is None:
         return 0.0
@@ -91,7 +92,6 @@ def dflash2_flops(d: DrafterConfig, num_anchors: int, vocab_size: int) -> float:
         6 * 3 * h * d.intermediate_size * num_anchors
         + 6 * 2 * h * (2 * taps * h // v2.conv_group_size) * d.num_layers * tq
         + 24 * taps * h * d.num_layers * tq
-        + 2 * h * vocab_size * td
         + 4 * k * h * td
         + 6 * h * r * td + 12 * k * r * td
     )

@@ -227,14 +227,15 @@ class DrafterTrainer:
             obj.ce_weight,
             obj.kl_weight,
             obj.chunk_size,
+            self.compute.candidate_selector.top_k if self.selector else 0,
         )
         correct, counted = slot_accuracy(out.predictions, labels, weights, obj.block_size)
         loss_sum = out.loss_sum
         if self.selector:
             selector = self.compute.candidate_selector
             term = selector_loss(
-                selector.transition, selector.top_k, hidden.flatten(0, 1), self.head.lm_head_weight, labels.flatten(),
-                predecessors(blocks.labels, obj.block_size).flatten(), weights.flatten(),
+                selector.transition, hidden.flatten(0, 1), self.head.lm_head_weight, out.top_values, out.top_ids,
+                labels.flatten(), predecessors(blocks.labels, obj.block_size).flatten(), weights.flatten(),
                 stop_gradient=obj.selector_stop_gradient, chunk_size=obj.chunk_size,
             )
             loss_sum = loss_sum + selector_alpha * term.loss_sum

@@ -33,6 +33,22 @@ def test_colocated_run_writes_every_output(tmp_path):
     assert report["lossless"] is True and report["results"]["heldout"]["prompts"] == 2
 
 
+def test_a_dflash2_drafter_trains_exports_decodes_and_trains_on(tmp_path):
+    """DFlash2 through the trainer: the selector's term in the loss, the export in the
+    released layout decoded losslessly by the path walk, and a second run started from it."""
+    dflash2 = ["drafter.variant=dflash2", "drafter.selector_top_k=4", "drafter.selector_rank=8"]
+    summary = run_colocated(tmp_path / "a", dflash2 + ["train.max_steps=3", "eval.enabled=true", "eval.max_prompts=2",
+                                                       "eval.max_new_tokens=16"])
+    assert summary["lossless"] is True
+    export = tmp_path / "a" / "export"
+    assert json.loads((export / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    first = read_metrics(tmp_path / "a")
+    run_colocated(tmp_path / "b", dflash2 + ["train.max_steps=2", f"drafter.init_from={export}"])
+    again = read_metrics(tmp_path / "b")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in first + again)
+    assert again[0]["loss"] < first[0]["loss"]  # it starts where the first run's training left it
+
+
 def test_resume_is_exact(tmp_path):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     run_colocated(straight, ["train.max_steps=8"])

@@ -51,6 +51,19 @@ def test_kl_matches_float64_reference(ce, kl):
     torch.testing.assert_close(grad.double(), g_ref, rtol=1e-4, atol=1e-6)
 
 
+def test_top_k_is_the_logits_top_k_and_leaves_the_loss_alone():
+    """The DFlash2 selector's candidates come out of the loss's own pass over the head."""
+    h, W, labels, w = make(rows=23, seed=2)
+    plain = head_loss(h, W, labels, w, chunk_size=5)
+    out = head_loss(h, W, labels, w, chunk_size=5, top_k=4)
+    top = (h.detach() @ W.t()).topk(4, dim=-1)
+    assert plain.top_values is None and out.top_values.dtype == torch.float32
+    torch.testing.assert_close(out.top_values, top.values)
+    assert torch.equal(out.top_ids, top.indices)
+    torch.testing.assert_close(out.loss_sum, plain.loss_sum)
+    assert not out.top_values.requires_grad
+
+
 def test_chunked_equals_unchunked():
     h, W, labels, w = make(rows=64)
     a = head_loss(h, W, labels, w, chunk_size=64)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dflash.model.selector import CandidateSelector
+from dflash.objective.loss import head_loss
 from dflash.objective.selector import predecessors, selector_loss, selector_weight
 
 ROWS, HIDDEN, VOCAB, RANK, TOP_K = 12, 8, 20, 4, 5
@@ -43,6 +44,13 @@ def reference(selector, hidden, head, labels, prev, weights):
     return total
 
 
+def selector_term(selector, hidden, head, labels, prev, weights, **kwargs):
+    """The selector loss over the candidates the head loss's pass returns, as training takes them."""
+    head_out = head_loss(hidden, head, labels, weights, top_k=TOP_K)
+    return selector_loss(selector.transition, hidden, head, head_out.top_values, head_out.top_ids, labels, prev,
+                         weights, **kwargs)
+
+
 def grads(loss, tensors):
     return torch.autograd.grad(loss, tensors)
 
@@ -51,7 +59,7 @@ def grads(loss, tensors):
 def test_loss_and_gradients_equal_the_formula(chunk_size):
     selector, hidden, head, labels, prev, weights = setup()
     params = [hidden, *selector.parameters()]
-    out = selector_loss(selector.transition, TOP_K, hidden, head, labels, prev, weights, chunk_size=chunk_size)
+    out = selector_term(selector, hidden, head, labels, prev, weights, chunk_size=chunk_size)
     expected = reference(selector, hidden, head, labels, prev, weights)
     torch.testing.assert_close(out.loss_sum.double(), expected, rtol=1e-6, atol=1e-9)
     for got, want in zip(grads(out.loss_sum, params), grads(expected, params)):
@@ -64,7 +72,7 @@ def test_loss_and_gradients_equal_the_formula(chunk_size):
 def test_stop_gradient_trains_only_the_selector():
     selector, hidden, head, labels, prev, weights = setup(1)
     params = list(selector.parameters())
-    out = selector_loss(selector.transition, TOP_K, hidden, head, labels, prev, weights, stop_gradient=True)
+    out = selector_term(selector, hidden, head, labels, prev, weights, stop_gradient=True)
     expected = reference(selector, hidden, head, labels, prev, weights)
     torch.testing.assert_close(out.loss_sum.double(), expected, rtol=1e-6, atol=1e-9)
     got = torch.autograd.grad(out.loss_sum, [hidden, *params], allow_unused=True)
@@ -78,7 +86,7 @@ def test_a_new_selector_scores_the_unary_top_k():
     the label among the unary top-k logits."""
     _, hidden, head, labels, prev, weights = setup(2)
     selector = CandidateSelector(HIDDEN, VOCAB, RANK, TOP_K).double()
-    out = selector_loss(selector.transition, TOP_K, hidden, head, labels, prev, weights)
+    out = selector_term(selector, hidden, head, labels, prev, weights)
     z = hidden.detach() @ head.t()
     top = z.topk(TOP_K, -1)
     hit = top.indices == labels[:, None]
