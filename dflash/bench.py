@@ -545,10 +545,10 @@ def timed_decode(steps, device: torch.device) -> tuple[object, float]:
     return result, time.perf_counter() - start
 
 
-def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 4) -> dict:
+def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2) -> dict:
     """Decoding speed at the target's shapes: per spec, the speculative decoding of the
-    batch of prompts (``eval.batch_size`` at a time), then the first ``batch_one`` of them
-    at batch 1 (the loop before batching), then the plain greedy baseline in batches."""
+    prompts (``eval.batch_size`` at a time), the first ``batch_one`` of them at batch 1
+    (the loop before batching), and the plain greedy baseline in batches."""
     device, dtype = job.device, job.dtype
     model = random_target(job.target_config, device, dtype, job.plan.seed)
     head = TargetHead.of(model)
@@ -576,18 +576,20 @@ def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 4) -> di
 
         run_to_end(speculative_batch_steps(model, drafter, head, ids[:2], max_new_tokens=2, batch_size=2))  # kernels
         batched = speculative(batch_size, prompts)
-        single = speculative(1, min(batch_one, prompts))
+        single = speculative(1, min(batch_one, prompts)) if batch_one else None
         baseline, seconds = timed_decode(greedy_batch_steps(model, ids, new_tokens, batch_size=batch_size), device)
         tokens = sum(map(len, baseline))
         outputs = batched.pop("outputs")
-        single.pop("outputs")
         batched["evaluation_s"] = round(batched["wall_s"] + seconds, 2)
-        rows += [batched, single, {
+        if single:
+            single.pop("outputs")
+            rows.append(single)
+        rows += [batched, {
             "role": "decode", "mode": f"greedy baseline, batch {batch_size}", "prompts": prompts,
             "new_tokens": tokens, "wall_s": round(seconds, 2), "tokens_per_s": round(tokens / seconds),
             "lossless_prompts": sum(a == b for a, b in zip(outputs, baseline)),
         }]
-        log.info("%s", rows[-3:])
+        log.info("%s", rows[-2:])
     return {"decode": rows, "target": job.cfg.target.name, "dtype": str(dtype).removeprefix("torch."),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
 
@@ -659,13 +661,14 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step in the drafter and colocated rows")
     parser.add_argument("--decode", metavar="NxM", help="time decoding N prompts x M new tokens instead, e.g. 64x256")
+    parser.add_argument("--batch-one", type=int, default=2, help="with --decode: prompts also decoded at batch 1")
     parser.add_argument("--checkpoint", metavar="DIR", help="also time a checkpoint save and load under DIR")
     parser.add_argument("--out", default="bench.json")
     args = parser.parse_intermixed_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = ["wandb.mode=disabled", *args.overrides]
     if args.decode:
-        report = run_decode(bench_job(overrides), parse_decode(args.decode))
+        report = run_decode(bench_job(overrides), parse_decode(args.decode), args.batch_one)
     elif args.p2p:
         report = run_p2p(overrides, args.steps)
     elif args.warmup_procs:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from dflash.bench import bench_job, format_report, run_bench, run_p2p, run_warmup
+from dflash.bench import bench_job, format_report, parse_decode, run_bench, run_decode, run_p2p, run_warmup
 from dflash.model.drafter import DFlashDrafter
 from dflash.run.build import drafter_config
 from dflash.run.estimate import drafter_flops
@@ -41,6 +41,17 @@ def test_bench_reports_every_role(tmp_path):
     assert sum("step_ms" in r for r in report["rows"]) == 5
     json.dumps(report)
     assert "mfu_pct" in format_report(report)
+
+
+def test_decode_bench_times_the_evaluation_loops():
+    report = run_decode(bench_job(TINY), parse_decode("3x6"), batch_one=1)
+    rows = {r["mode"]: r for r in report["decode"]}
+    assert set(rows) == {"speculative, batch 32", "speculative, batch 1", "greedy baseline, batch 32"}
+    assert rows["speculative, batch 32"]["new_tokens"] == 18 and rows["speculative, batch 1"]["new_tokens"] == 6
+    assert rows["greedy baseline, batch 32"]["lossless_prompts"] == 3  # float32 on the CPU
+    assert "tokens/s" in format_report(report)
+    with pytest.raises(SystemExit, match="PROMPTSxNEW_TOKENS"):
+        parse_decode("64")
 
 
 def test_every_timed_row_amortises_the_optimizer_over_the_accumulation(monkeypatch):
