@@ -5,15 +5,13 @@ drafting cycle (or per token) on one sequence: on a GPU that is weight reads, no
 compute. Here every cycle verifies the blocks of up to ``batch_size`` sequences in one
 target forward, each row keeping its own number of drafts (ragged acceptance).
 
-Rows keep their own lengths in one shared HF ``DynamicCache`` (:class:`RaggedCache`):
-every forward appends the same number of columns to every row, a 2D attention mask
-marks which columns each row still holds, and position ids carry each row's own
-positions (RoPE is applied before keys are cached, so a key's column does not matter,
-only that it precedes the queries that read it). A rejected draft's column is masked
-out instead of cut; the columns no row kept are cut; when the longest row holds less
-than three quarters of the columns the cache is compacted. Masked keys get zero
-attention weight, so each row computes what the batch-1 loop computes, up to the
-rounding of other matrix shapes.
+Rows keep their own lengths in the fixed slots of one :class:`dflash.decode.slots.SlotCache`:
+every forward writes the same columns of every slot, a mask says which columns each row
+holds, and position ids carry each row's own positions. A rejected draft's column is
+let go in the mask, and the held columns are moved to the front when the cache fills.
+Masked keys get zero attention weight, so each row computes what the batch-1 loop
+computes, up to the rounding of other matrix shapes. With every shape fixed, the target's
+forwards replay as CUDA graphs.
 
 Each prompt is prefilled alone (one forward of its own length, as the batch-1 loop
 does, so its first token and context features are those of the batch-1 loop) and
@@ -38,6 +36,7 @@ from transformers import DynamicCache
 
 from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.selector import propose, sample
+from dflash.decode.slots import SlotCache, slot_cache
 from dflash.decode.speculative import (
     accept,
     context_features,
@@ -60,93 +59,6 @@ def pad_columns(t: torch.Tensor, width: int, value: float | bool = 0) -> torch.T
     return torch.cat([t, t.new_full((*t.shape[:-2], extra, t.shape[-1]), value)], dim=-2)
 
 
-class RaggedCache:
-    """A ``DynamicCache`` of rows with their own lengths: ``valid[b, C]`` says which
-    columns each row holds. Rows join from a batch-1 cache (:meth:`join`) and leave
-    (:meth:`select`); every forward appends its query length to all rows
-    (:meth:`forward`), and :meth:`keep` masks out what a row rejected."""
-
-    def __init__(self) -> None:
-        self.cache: DynamicCache | None = None
-        self.valid = torch.zeros(0, 0, dtype=torch.bool)
-
-    @property
-    def rows(self) -> int:
-        return self.valid.shape[0]
-
-    def _set(self, keys: list[torch.Tensor], values: list[torch.Tensor], valid: torch.Tensor) -> None:
-        for layer, k, v in zip(self.cache.layers, keys, values):
-            layer.keys, layer.values = k, v
-        self.valid = valid
-
-    def join(self, cache: DynamicCache) -> None:
-        """Add a row prefilled alone (batch 1) as the last row; the shorter side is padded
-        with masked columns."""
-        length = cache.get_seq_length()
-        theirs = torch.ones(1, length, dtype=torch.bool, device=cache.layers[0].keys.device)
-        if self.cache is None:
-            self.cache, self.valid = cache, theirs
-            return
-        width = max(length, self.valid.shape[1])
-        keys = [torch.cat([pad_columns(m.keys, width), pad_columns(t.keys, width)]) for m, t in
-                zip(self.cache.layers, cache.layers)]
-        values = [torch.cat([pad_columns(m.values, width), pad_columns(t.values, width)]) for m, t in
-                  zip(self.cache.layers, cache.layers)]
-        valid = torch.cat([pad_columns(self.valid[..., None], width, False),
-                           pad_columns(theirs[..., None], width, False)])[..., 0]
-        self._set(keys, values, valid)
-
-    def select(self, rows: Sequence[int]) -> None:
-        """Keep only ``rows``, in that order; the columns none of them holds are cut."""
-        if not rows:
-            self.cache, self.valid = None, self.valid[:0, :0]
-            return
-        index = torch.tensor(list(rows), device=self.valid.device)
-        self._set([layer.keys[index] for layer in self.cache.layers],
-                  [layer.values[index] for layer in self.cache.layers], self.valid[index])
-        self._trim()
-
-    def forward(self, model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, **kwargs):
-        """The target's forward of ``input_ids [b, q]`` at ``positions [b, q]`` after each
-        row's own columns; the ``q`` new columns count as held until :meth:`keep`."""
-        mask = torch.cat([self.valid, self.valid.new_ones(input_ids.shape)], dim=1)
-        out = with_cache(model, self.cache, input_ids=input_ids, attention_mask=mask, position_ids=positions, **kwargs)
-        self.valid = mask
-        return out
-
-    def keep(self, kept: torch.Tensor, q: int) -> None:
-        """After a forward of ``q`` tokens, row ``r`` holds only the first ``kept[r]`` of
-        them: the rest are masked out, the columns no row holds cut, and the cache
-        compacted once more than a quarter of its columns are beyond what the longest
-        row holds (every forward attends over all columns)."""
-        new = torch.arange(q, device=kept.device)[None] < kept[:, None]
-        self.valid = torch.cat([self.valid[:, :-q], new], dim=1)
-        self._trim()
-        held = self.valid.sum(1)
-        if 4 * (self.valid.shape[1] - int(held.max())) > self.valid.shape[1]:
-            self._compact(held)
-
-    def _trim(self) -> None:
-        """Cut the trailing columns no row holds."""
-        used = self.valid.any(0).nonzero()
-        width = int(used[-1]) + 1 if len(used) else 0
-        if width < self.valid.shape[1]:
-            self.cache.crop(width - self.valid.shape[1])  # negative: drop that many (4.57 and 5.x)
-            self.valid = self.valid[:, :width]
-
-    def _compact(self, held: torch.Tensor) -> None:
-        """Move every row's held columns to its front, in order, and cut the rest."""
-        width = int(held.max())
-        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
-
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            return t.gather(2, order[:, None, :, None].expand(t.shape[0], t.shape[1], width, t.shape[3]))
-
-        self._set([gather(layer.keys) for layer in self.cache.layers],
-                  [gather(layer.values) for layer in self.cache.layers],
-                  torch.arange(width, device=held.device)[None] < held[:, None])
-
-
 @dataclass
 class Row:
     """One prompt being decoded: its tokens so far, the position ``p`` of the newest one
@@ -157,6 +69,7 @@ class Row:
     tokens: list[int]
     p: int
     generator: torch.Generator | None = None
+    slot: int = -1  # its place in the SlotCache
     lengths: list[int] = field(default_factory=list)
     features: torch.Tensor | None = None
     first: int = 0
@@ -259,29 +172,30 @@ def accept_rows(drafts: torch.Tensor, draft_logits: list[torch.Tensor] | None, t
     return [n for n, _ in kept], [bonus for _, bonus in kept]
 
 
-def refill(rows: list[Row], cache: RaggedCache, pending: list[int], batch_size: int, start
+def refill(rows: list[Row], cache: SlotCache, pending: list[int], free: list[int], start
            ) -> Generator[str, None, list[Row]]:
     """Prefill waiting prompts (``start(index)`` gives their cache and row) into the free
-    places of the batch, pausing after each; returns the rows already finished by their
-    first token (they never join)."""
+    slots, pausing after each; returns the rows already finished by their first token
+    (they never join)."""
     done = []
-    while pending and len(rows) < batch_size:
+    while pending and free:
         row_cache, row, over = start(pending.pop())
         yield "prompt prefill"
         if over:
             done.append(row)
         else:
-            cache.join(row_cache)
+            row.slot = free.pop()
+            cache.join(row.slot, row_cache)
             rows.append(row)
     return done
 
 
-def retire(rows: list[Row], cache: RaggedCache, over: list[bool]) -> list[Row]:
-    """Take the finished rows out of the batch and its cache; returns them."""
-    if not any(over):
-        return []
-    cache.select([i for i, o in enumerate(over) if not o])
+def retire(rows: list[Row], cache: SlotCache, over: list[bool], free: list[int]) -> list[Row]:
+    """Take the finished rows out of the batch and free their slots; returns them."""
     done = [r for r, o in zip(rows, over) if o]
+    for r in done:
+        cache.leave(r.slot)
+        free.append(r.slot)
     rows[:] = [r for r, o in zip(rows, over) if not o]
     return done
 
@@ -317,7 +231,9 @@ def speculative_batch_steps(
     device = prompts[0].device
     offsets = torch.arange(block_size, device=device)
     results: list = [None] * len(prompts)
-    cache, rows, pending = RaggedCache(), [], list(range(len(prompts)))[::-1]
+    slots = min(batch_size, len(prompts))
+    cache = slot_cache(target_model, prompts, block_size, slots, cfg.target_layer_ids)
+    rows, pending, free = [], list(range(len(prompts)))[::-1], list(range(slots))[::-1]
 
     def start(i: int) -> tuple[DynamicCache, Row, bool]:
         row_cache, row = prefill(target_model, drafter, i, prompts[i], temperature, generators[i])
@@ -328,17 +244,17 @@ def speculative_batch_steps(
             results[r.index] = (truncate(r.tokens, max_new_tokens, eos_ids), r.lengths)
 
     while pending or rows:
-        record((yield from refill(rows, cache, pending, batch_size, start)))
+        record((yield from refill(rows, cache, pending, free, start)))
         if not rows:
             continue
         hidden = draft_hidden(drafter, head, rows, cfg.mask_token_id, block_size, device)
         drafts, draft_logits = propose_rows(drafter, head, hidden[:, 1:], rows, temperature)
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         positions = torch.tensor([r.p for r in rows], device=device)[:, None] + offsets
-        out = cache.forward(target_model, torch.cat([last, drafts], dim=1), positions, output_hidden_states=True)
-        n, bonus = accept_rows(drafts, draft_logits, out.logits, rows, temperature)
-        cache.keep(torch.tensor(n, device=device) + 1, block_size)
-        features = context_features(out.hidden_states, cfg.target_layer_ids)
+        index = torch.tensor([r.slot for r in rows], device=device)
+        logits, features = cache.forward(index, torch.cat([last, drafts], dim=1), positions)
+        n, bonus = accept_rows(drafts, draft_logits, logits, rows, temperature)
+        cache.keep(index, torch.tensor(n, device=device) + 1, block_size)
         drafted = drafts.tolist()
         over = []
         for i, r in enumerate(rows):
@@ -350,7 +266,7 @@ def speculative_batch_steps(
             r.lengths.append(n[i] + 1)
             over.append(finished(r, new, max_new_tokens, eos_ids))
         yield "drafting cycle"
-        record(retire(rows, cache, over))
+        record(retire(rows, cache, over, free))
     return results
 
 
@@ -372,7 +288,9 @@ def greedy_batch_steps(
         return results
     device = prompts[0].device
     results: list = [None] * len(prompts)
-    cache, rows, pending = RaggedCache(), [], list(range(len(prompts)))[::-1]
+    slots = min(batch_size, len(prompts))
+    cache = slot_cache(target_model, prompts, 1, slots, None)
+    rows, pending, free = [], list(range(len(prompts)))[::-1], list(range(slots))[::-1]
 
     def start(i: int) -> tuple[DynamicCache, Row, bool]:
         row_cache, row = prefill(target_model, None, i, prompts[i], 0.0, None)
@@ -383,19 +301,21 @@ def greedy_batch_steps(
             results[r.index] = r.tokens
 
     while pending or rows:
-        record((yield from refill(rows, cache, pending, batch_size, start)))
+        record((yield from refill(rows, cache, pending, free, start)))
         if not rows:
             continue
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         positions = torch.tensor([[r.p] for r in rows], device=device)
-        tokens = cache.forward(target_model, last, positions).logits[:, -1].argmax(-1).tolist()
+        index = torch.tensor([r.slot for r in rows], device=device)
+        tokens = cache.forward(index, last, positions)[0][:, -1].argmax(-1).tolist()
+        cache.keep(index, torch.ones_like(index), 1)
         over = []
         for r, t in zip(rows, tokens):
             r.tokens.append(t)
             r.p += 1
             over.append(finished(r, [t], max_new_tokens, eos_ids))
         yield "baseline token"
-        record(retire(rows, cache, over))
+        record(retire(rows, cache, over, free))
     return results
 
 

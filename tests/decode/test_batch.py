@@ -20,11 +20,11 @@ from transformers import DynamicCache
 
 from dflash.decode.baseline import GreedyBaselines, fingerprint
 from dflash.decode.batch import (
-    RaggedCache,
     greedy_batch_steps,
     single,
     speculative_batch_steps,
 )
+from dflash.decode.slots import SlotCache
 from dflash.decode.speculative import (
     greedy_generate,
     run_to_end,
@@ -140,27 +140,31 @@ def test_caches_that_cannot_be_cut_per_row_decode_one_prompt_at_a_time(name, alo
     assert batched(target, drafter, head, ids) == batch_one(target, drafter, head, ids)
 
 
-def test_a_ragged_cache_compacts_to_each_rows_columns(target64):
-    """After rejections and compaction each row's next-token logits equal those of a
-    cache of its own accepted tokens only."""
-    ids, cache = prompts(2, seed=6), RaggedCache()
+def test_a_slot_cache_compacts_to_each_rows_columns(target64):
+    """After rejections, compaction and growth each row's next-token logits equal those
+    of a cache of its own accepted tokens only, a free slot beside them."""
+    ids = prompts(2, seed=6)
+    cache = SlotCache(target64, slots=3, columns=20, layer_ids=None, slack=4)
+    cache.record(B)
+    cache.record(1)
+    slots = torch.tensor([2, 0])
     with torch.no_grad():
-        for p in ids:
+        for slot, p in zip(slots.tolist(), ids):
             row = DynamicCache(config=target64.config)
             with_cache(target64, row, input_ids=p)
-            cache.join(row)
+            cache.join(slot, row)
         blocks = torch.randint(0, VOCAB - 1, (6, 2, B), generator=torch.Generator().manual_seed(0))
         kept, length = [[], []], [p.shape[1] for p in ids]
         for block, keep in zip(blocks, ([1, 4], [4, 1]) * 3):
             positions = torch.tensor(length)[:, None] + torch.arange(B)
-            cache.forward(target64, block, positions)
-            cache.keep(torch.tensor(keep), B)
+            cache.forward(slots, block, positions)
+            cache.keep(slots, torch.tensor(keep), B)
             for r in range(2):
                 kept[r] += block[r, : keep[r]].tolist()
                 length[r] += keep[r]
-        assert cache.valid.shape[1] < ids[1].shape[1] + 6 * B  # compacted on the way
+        assert cache.used < ids[1].shape[1] + 6 * B and cache.columns > 20  # compacted and grown on the way
         nxt = torch.tensor([[7], [8]])
-        logits = cache.forward(target64, nxt, torch.tensor(length)[:, None]).logits[:, -1]
+        logits = cache.forward(slots, nxt, torch.tensor(length)[:, None])[0][:, -1]
         for r, p in enumerate(ids):
             alone = target64(input_ids=torch.cat([p, torch.tensor([kept[r] + [7 + r]])], dim=1)).logits[0, -1]
             torch.testing.assert_close(logits[r], alone, rtol=1e-9, atol=1e-9)

@@ -181,3 +181,38 @@ def test_a_packed_prefill_under_flex_attention_keeps_samples_apart():
     target = Target(model, [0, 2])
     assert target.attend_packed_with_flex()
     assert target.packing_error(lengths=(200, 330, 150)) < 0.05
+
+
+def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
+    """The slot cache records its forwards as CUDA graphs (a Qwen3 target has no host
+    wait in its forward), and batched decoding through them gives every row the eager
+    batch-1 loop's tokens and acceptance lengths (float32)."""
+    from helpers import varied_target
+    from transformers import DynamicCache
+
+    from dflash.decode.batch import speculative_batch_steps
+    from dflash.decode.slots import SlotCache
+    from dflash.decode.speculative import run_to_end, speculative_generate, with_cache
+    from dflash.model.drafter import TargetHead
+
+    target = varied_target(vocab=96).cuda()
+    drafter = tiny_drafter(vocab=96, block_size=4).cuda().eval()
+    drafter.reset_parameters(0.2)
+    head = TargetHead.of(target)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 95, (1, 5 + 3 * i), generator=g).cuda() for i in range(5)]
+    with torch.inference_mode():
+        cache = SlotCache(target, slots=2, columns=64, layer_ids=None)
+        cache.record(4)
+        assert cache.recorded[4].graph is not None
+        row = DynamicCache(config=target.config)
+        with_cache(target, row, input_ids=prompts[0])
+        cache.join(1, row)
+        block = torch.randint(0, 95, (1, 4), generator=g).cuda()
+        positions = prompts[0].shape[1] + torch.arange(4, device="cuda")[None]
+        logits = cache.forward(torch.tensor([1], device="cuda"), block, positions)[0]
+        alone = target(input_ids=torch.cat([prompts[0], block], dim=1)).logits[:, -4:]
+        torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
+    expected = [speculative_generate(target, drafter, head, p, max_new_tokens=24) for p in prompts]
+    got = run_to_end(speculative_batch_steps(target, drafter, head, prompts, max_new_tokens=24, batch_size=3))
+    assert got == expected

@@ -1,0 +1,265 @@
+"""The target's side of batched decoding: a KV cache of fixed shape, and its forwards
+replayed as CUDA graphs.
+
+A target forward at decoding shapes (a few tokens per row) is launch-bound in eager HF:
+at Qwen3-8B shapes on the H200 about 50 ms of host time per forward of 32 rows, against
+3.5 ms to read the weights once (BENCHMARKS.md, "Evaluation speed"). With every shape
+fixed, the forward can be recorded once as a CUDA graph and replayed for the price of
+copying its inputs.
+
+:class:`SlotCache` holds ``slots`` rows, each in its own slot of per-layer buffers
+``[slots, heads, columns, head_dim]``. Every forward of ``q`` tokens writes columns
+``used..used+q-1`` of every slot (a free slot computes padding that nobody reads), and a
+float mask ``[slots, 1, q, columns]`` says which columns each row holds: its own tokens
+and, among the new columns, the causal ones. Rows therefore keep their own lengths in
+shared columns. RoPE is applied before keys are cached, so a key's column does not
+matter, only that it is held. A rejected draft's column is let go in the mask (its key
+stays, unread); when the next forward would not fit, every row's held columns are moved
+to the front (:meth:`SlotCache.compact`). A prompt prefilled alone joins a free slot
+with its keys written just before ``used``. The mask is handed to the model ready-made
+(4D masks are used as given), so nothing in the forward depends on the cache's contents.
+
+On CUDA each query length's forward (the block of a verification, one token of the
+greedy baseline) is recorded once per decoding with all buffers in place; a model whose
+forward makes the host wait for the device (a data-dependent MoE dispatch, a dynamic
+RoPE) cannot be recorded and runs eagerly on the same cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from dflash.decode.speculative import context_features, with_cache
+
+log = logging.getLogger(__name__)
+
+SLACK_FORWARDS = 16  # free columns kept beyond the longest row, in forwards
+
+
+class SlotKV(Cache):
+    """Per-layer key and value buffers of ``slots`` rows by ``columns`` columns, which a
+    forward's HF attention layers write at ``write_at`` (allocated by the first forward or
+    join, at the shapes the layers give)."""
+
+    def __init__(self, slots: int, columns: int):
+        super().__init__(layers=[])
+        self.slots, self.columns = slots, columns
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.write_at: torch.Tensor | None = None  # [q], the columns the running forward writes
+
+    def allocate(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The buffers of ``layer`` (the next one), shaped after ``[.., heads, .., dim]`` states."""
+        assert layer == len(self.keys), "layers are allocated in order"
+        for store, like in ((self.keys, keys), (self.values, values)):
+            store.append(like.new_zeros(self.slots, like.shape[1], self.columns, like.shape[3]))
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == len(self.keys):
+            self.allocate(layer_idx, key_states, value_states)
+        self.keys[layer_idx].index_copy_(2, self.write_at, key_states)
+        self.values[layer_idx].index_copy_(2, self.write_at, value_states)
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and masks always come with the inputs
+
+
+@dataclass
+class Recorded:
+    """One query length's forward: its input buffers, and its outputs (``graph`` is None
+    where it runs eagerly: the CPU, or a model that cannot be recorded)."""
+
+    input_ids: torch.Tensor  # [slots, q]
+    positions: torch.Tensor  # [slots, q]
+    mask: torch.Tensor  # [slots, 1, q, columns], 0 where a query may look, the dtype's minimum elsewhere
+    write_at: torch.Tensor  # [q]
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+
+class SlotCache:
+    """Rows decoding together in the fixed slots of one :class:`SlotKV`; :meth:`forward`
+    runs the target over ``q`` new tokens of every slot, recorded per ``q``."""
+
+    def __init__(self, model: nn.Module, slots: int, columns: int, layer_ids: list[int] | None, slack: int = 64):
+        self.model, self.layer_ids, self.slack = model, layer_ids, slack
+        self.kv = SlotKV(slots, columns)
+        self.device = model.get_output_embeddings().weight.device
+        self.dtype = model.get_output_embeddings().weight.dtype
+        self.valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
+        self.used = 0
+        self.recorded: dict[int, Recorded] = {}
+
+    @property
+    def slots(self) -> int:
+        return self.kv.slots
+
+    @property
+    def columns(self) -> int:
+        return self.kv.columns
+
+    def additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """A mask in the model's dtype: 0 where ``allowed``, the dtype's minimum elsewhere
+        (added to the attention scores, by SDPA and eager attention alike)."""
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=self.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min)
+
+    def record(self, q: int) -> None:
+        """Prepare the forward of ``q`` tokens per slot: on CUDA, run it twice on a side
+        stream (allocating the buffers, loading the kernels) and record it. Those runs
+        write the last ``q`` columns, which no row holds (:meth:`forward` keeps ``q``
+        columns free)."""
+        slots, columns = self.slots, self.columns
+        scratch = slice(columns - q, columns)
+        r = Recorded(
+            input_ids=torch.zeros(slots, q, dtype=torch.long, device=self.device),
+            positions=torch.zeros(slots, q, dtype=torch.long, device=self.device),
+            mask=self.additive(torch.zeros(slots, 1, q, columns, dtype=torch.bool, device=self.device)),
+            write_at=torch.arange(columns - q, columns, device=self.device),
+            run=lambda: (None, None),
+        )
+        r.mask[..., scratch] = self.additive(torch.ones(q, q, dtype=torch.bool, device=self.device).tril())
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            self.kv.write_at = r.write_at
+            out = with_cache(self.model, self.kv, input_ids=r.input_ids, position_ids=r.positions,
+                             attention_mask=r.mask, output_hidden_states=self.layer_ids is not None)
+            features = None if self.layer_ids is None else context_features(out.hidden_states, self.layer_ids)
+            return out.logits, features
+
+        r.run = run
+        self.recorded[q] = r
+        if self.device.type != "cuda":
+            return
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                run()
+                torch.cuda.set_sync_debug_mode("error")  # a forward that waits for the device cannot be recorded
+                try:
+                    run()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+        except RuntimeError as e:
+            torch.cuda.current_stream().wait_stream(side)
+            log.warning("the target's forward of %d tokens per row runs eagerly: it makes the host wait for the "
+                        "device (%s)", q, str(e).splitlines()[0])
+            return
+        torch.cuda.current_stream().wait_stream(side)
+        r.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(r.graph):
+            r.outputs = run()
+
+    def resize(self, columns: int) -> None:
+        """Room for ``columns`` columns: the buffers move, every forward is recorded again."""
+        for buffers in (self.kv.keys, self.kv.values):
+            for i, t in enumerate(buffers):
+                grown = t.new_zeros(*t.shape[:2], columns, t.shape[3])
+                grown[:, :, : self.used] = t[:, :, : self.used]
+                buffers[i] = grown
+        valid = self.valid.new_zeros(self.slots, columns)
+        valid[:, : self.used] = self.valid[:, : self.used]
+        self.valid, self.kv.columns = valid, columns
+        for q in list(self.recorded):
+            self.record(q)
+
+    def join(self, slot: int, cache: DynamicCache) -> None:
+        """Put a row prefilled alone (batch 1) into the free ``slot``: its keys go in the
+        columns just before ``used`` (``used`` moves up if the row is longer)."""
+        length = cache.get_seq_length()
+        self.make_room(max(self.used, length) - self.used)
+        self.used = max(self.used, length)
+        at = slice(self.used - length, self.used)
+        for i, layer in enumerate(cache.layers):
+            if i == len(self.kv.keys):
+                self.kv.allocate(i, layer.keys, layer.values)
+            self.kv.keys[i][slot, :, at] = layer.keys[0]
+            self.kv.values[i][slot, :, at] = layer.values[0]
+        self.valid[slot] = False
+        self.valid[slot, at] = True
+
+    def leave(self, slot: int) -> None:
+        self.valid[slot] = False
+
+    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The target over ``input_ids [b, q]`` at ``positions`` for the rows in ``slots [b]``:
+        their logits ``[b, q, V]`` and context features ``[b, q, n*H]`` (None without layer
+        ids). The ``q`` new columns count as held until :meth:`keep`."""
+        q = input_ids.shape[1]
+        self.make_room(q)
+        r = self.recorded[q]
+        r.input_ids.zero_()
+        r.positions.zero_()
+        r.input_ids[slots] = input_ids
+        r.positions[slots] = positions
+        torch.add(torch.arange(q, device=self.device), self.used, out=r.write_at)
+        new = slice(self.used, self.used + q)
+        self.valid[:, new] = True
+        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
+        r.mask.copy_(self.additive(self.valid)[:, None, None, :].expand_as(r.mask))
+        r.mask[:, 0, :, new] = self.additive(causal)
+        self.used += q
+        if r.graph is None:
+            logits, features = r.run()
+        else:
+            r.graph.replay()
+            logits, features = r.outputs
+        return logits[slots], None if features is None else features[slots]
+
+    def keep(self, slots: torch.Tensor, kept: torch.Tensor, q: int) -> None:
+        """After a forward of ``q`` tokens, the row in ``slots[i]`` holds only the first
+        ``kept[i]`` of them; free slots hold none."""
+        new = slice(self.used - q, self.used)
+        held = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        held[slots] = kept
+        self.valid[:, new] = torch.arange(q, device=self.device)[None] < held[:, None]
+
+    def make_room(self, q: int) -> None:
+        """Columns for ``q`` more and the recorded forwards' scratch: the held columns are
+        moved to the front when the cache is full, and if that leaves less than half the
+        slack free, the cache grows by the slack."""
+        scratch = max(self.recorded)
+        if self.used + q + scratch <= self.columns:
+            return
+        self.compact()
+        if self.used + q + scratch + self.slack // 2 > self.columns:
+            self.resize(round_up(self.used + q + scratch + self.slack))
+
+    def compact(self) -> None:
+        """Move every row's held columns to the front of its slot, in order."""
+        held = self.valid.sum(1)
+        width = int(held.max())
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
+        for buffers in (self.kv.keys, self.kv.values):
+            for t in buffers:
+                t[:, :, :width] = t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+        self.valid = torch.arange(self.columns, device=self.device)[None] < held[:, None]
+        self.used = width
+
+
+def round_up(columns: int) -> int:
+    return -(-columns // 64) * 64
+
+
+def slot_cache(model: nn.Module, prompts: list[torch.Tensor], q: int, slots: int,
+               layer_ids: list[int] | None) -> SlotCache:
+    """A :class:`SlotCache` for these prompts, with the forward of ``q`` tokens recorded:
+    room for the longest prompt and ``SLACK_FORWARDS`` forwards, so that a full cache
+    compacts at most every ``SLACK_FORWARDS / 2`` forwards; it grows as rows do."""
+    slack = SLACK_FORWARDS * q
+    longest = max(p.shape[1] for p in prompts)
+    cache = SlotCache(model, slots, round_up(longest + q + slack), layer_ids, slack)
+    cache.record(q)
+    return cache
