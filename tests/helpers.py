@@ -213,7 +213,10 @@ class PromptScriptDrafter(nn.Module):
             features = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)[0]
             self.scripts.append((features, torch.tensor(proposals)))
 
-    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
+    def context(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return features  # recognised as they are: no projection
+
+    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None, projected=False):
         width = ctx_features.shape[1]
         lengths = [width] * len(ctx_features) if mask is None else mask[:, 0, 0, :width].sum(-1).tolist()
         rows = []

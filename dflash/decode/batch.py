@@ -39,8 +39,8 @@ from dflash.decode.selector import propose, sample
 from dflash.decode.slots import SlotCache, slot_cache
 from dflash.decode.speculative import (
     accept,
-    context_features,
     croppable,
+    drafter_context,
     greedy_steps,
     speculative_steps,
     truncate,
@@ -62,7 +62,7 @@ def pad_columns(t: torch.Tensor, width: int, value: float | bool = 0) -> torch.T
 @dataclass
 class Row:
     """One prompt being decoded: its tokens so far, the position ``p`` of the newest one
-    (in no cache yet), acceptance per cycle, and the drafter's context (features of the
+    (in no cache yet), acceptance per cycle, and the drafter's context (projected, of the
     positions ``first..p-1``)."""
 
     index: int
@@ -71,7 +71,7 @@ class Row:
     generator: torch.Generator | None = None
     slot: int = -1  # its place in the SlotCache
     lengths: list[int] = field(default_factory=list)
-    features: torch.Tensor | None = None
+    context: torch.Tensor | None = None
     first: int = 0
 
 
@@ -110,20 +110,20 @@ def draft_hidden(drafter: DFlashDrafter, head: TargetHead, rows: list[Row], mask
     offsets = torch.arange(block_size, device=device)
     if len(rows) == 1 or not batched_drafter(drafter, block_size):
         return torch.cat([
-            drafter(r.features, head.embed(block[i : i + 1]), torch.arange(r.first, r.p, device=device)[None],
-                    (r.p + offsets)[None])
+            drafter(r.context, head.embed(block[i : i + 1]), torch.arange(r.first, r.p, device=device)[None],
+                    (r.p + offsets)[None], projected=True)
             for i, r in enumerate(rows)
         ])
-    width = max(r.features.shape[1] for r in rows)
-    features = torch.stack([pad_columns(r.features[0], width) for r in rows])
+    width = max(r.context.shape[1] for r in rows)
+    context = torch.stack([pad_columns(r.context[0], width) for r in rows])
     ctx = torch.arange(width, device=device)[None]
-    lengths = torch.tensor([r.features.shape[1] for r in rows], device=device)
+    lengths = torch.tensor([r.context.shape[1] for r in rows], device=device)
     firsts = torch.tensor([r.first for r in rows], device=device)
     valid = ctx < lengths[:, None]
     ctx_positions = torch.where(valid, firsts[:, None] + ctx, 0)
     block_positions = (firsts + lengths)[:, None] + offsets
     masks = drafter_masks(drafter, valid, ctx_positions, block_positions)
-    return drafter(features, head.embed(block), ctx_positions, block_positions, masks)
+    return drafter(context, head.embed(block), ctx_positions, block_positions, masks, projected=True)
 
 
 def single(target_model: nn.Module) -> bool:
@@ -135,15 +135,14 @@ def single(target_model: nn.Module) -> bool:
 def prefill(target_model: nn.Module, drafter: DFlashDrafter | None, index: int, prompt_ids: torch.Tensor,
             temperature: float, generator: torch.Generator | None) -> tuple[DynamicCache, Row]:
     """One prompt prefilled alone, as the batch-1 loops do: its cache and its row, holding
-    the first token (and, for a drafter, the prompt's context features)."""
+    the first token (and, for a drafter, the prompt's projected context)."""
     cache = DynamicCache(config=target_model.config)
     out = with_cache(target_model, cache, input_ids=prompt_ids, output_hidden_states=drafter is not None,
                      logits_to_keep=1)
     row = Row(index, sample(out.logits[0, -1:], temperature, generator).tolist(), prompt_ids.shape[1], generator)
     if drafter is not None:
         cfg = drafter.config
-        row.features, row.first = window(context_features(out.hidden_states, cfg.target_layer_ids), 0,
-                                         cfg.context_window)
+        row.context, row.first = window(drafter_context(drafter, out.hidden_states), 0, cfg.context_window)
     return cache, row
 
 
@@ -232,7 +231,8 @@ def speculative_batch_steps(
     offsets = torch.arange(block_size, device=device)
     results: list = [None] * len(prompts)
     slots = min(batch_size, len(prompts))
-    cache = slot_cache(target_model, prompts, block_size, slots, cfg.target_layer_ids)
+    cache = slot_cache(target_model, prompts, block_size, slots,
+                       lambda hidden_states: drafter_context(drafter, hidden_states))
     rows, pending, free = [], list(range(len(prompts)))[::-1], list(range(slots))[::-1]
 
     def start(i: int) -> tuple[DynamicCache, Row, bool]:
@@ -252,14 +252,14 @@ def speculative_batch_steps(
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         positions = torch.tensor([r.p for r in rows], device=device)[:, None] + offsets
         index = torch.tensor([r.slot for r in rows], device=device)
-        logits, features = cache.forward(index, torch.cat([last, drafts], dim=1), positions)
+        logits, context = cache.forward(index, torch.cat([last, drafts], dim=1), positions)
         n, bonus = accept_rows(drafts, draft_logits, logits, rows, temperature)
         cache.keep(index, torch.tensor(n, device=device) + 1, block_size)
         drafted = drafts.tolist()
         over = []
         for i, r in enumerate(rows):
-            r.features, r.first = window(torch.cat([r.features, features[i : i + 1, : n[i] + 1]], dim=1), r.first,
-                                         cfg.context_window)
+            r.context, r.first = window(torch.cat([r.context, context[i : i + 1, : n[i] + 1]], dim=1), r.first,
+                                        cfg.context_window)
             new = drafted[i][: n[i]] + [bonus[i]]
             r.tokens += new
             r.p += n[i] + 1

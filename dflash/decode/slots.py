@@ -36,9 +36,13 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from dflash.decode.speculative import context_features, with_cache
+from dflash.decode.speculative import with_cache
+from dflash.model.attention import GROUPED, attention_implementation
 
 log = logging.getLogger(__name__)
+
+# what a forward hands the drafter, from its hidden states (output_hidden_states)
+Features = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
 
 SLACK_FORWARDS = 16  # free columns kept beyond the longest row, in forwards
 
@@ -91,8 +95,8 @@ class SlotCache:
     """Rows decoding together in the fixed slots of one :class:`SlotKV`; :meth:`forward`
     runs the target over ``q`` new tokens of every slot, recorded per ``q``."""
 
-    def __init__(self, model: nn.Module, slots: int, columns: int, layer_ids: list[int] | None, slack: int = 64):
-        self.model, self.layer_ids, self.slack = model, layer_ids, slack
+    def __init__(self, model: nn.Module, slots: int, columns: int, features: Features | None = None, slack: int = 64):
+        self.model, self.features, self.slack = model, features, slack
         self.kv = SlotKV(slots, columns)
         self.device = model.get_output_embeddings().weight.device
         self.dtype = model.get_output_embeddings().weight.dtype
@@ -132,10 +136,10 @@ class SlotCache:
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             self.kv.write_at = r.write_at
-            out = with_cache(self.model, self.kv, input_ids=r.input_ids, position_ids=r.positions,
-                             attention_mask=r.mask, output_hidden_states=self.layer_ids is not None)
-            features = None if self.layer_ids is None else context_features(out.hidden_states, self.layer_ids)
-            return out.logits, features
+            with attention_implementation(self.model, GROUPED):
+                out = with_cache(self.model, self.kv, input_ids=r.input_ids, position_ids=r.positions,
+                                 attention_mask=r.mask, output_hidden_states=self.features is not None)
+            return out.logits, None if self.features is None else self.features(out.hidden_states)
 
         r.run = run
         self.recorded[q] = r
@@ -195,8 +199,8 @@ class SlotCache:
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The target over ``input_ids [b, q]`` at ``positions`` for the rows in ``slots [b]``:
-        their logits ``[b, q, V]`` and context features ``[b, q, n*H]`` (None without layer
-        ids). The ``q`` new columns count as held until :meth:`keep`."""
+        their logits ``[b, q, V]`` and what ``features`` makes of the hidden states (None
+        without it). The ``q`` new columns count as held until :meth:`keep`."""
         q = input_ids.shape[1]
         self.make_room(q)
         r = self.recorded[q]
@@ -229,13 +233,15 @@ class SlotCache:
     def make_room(self, q: int) -> None:
         """Columns for ``q`` more and the recorded forwards' scratch: the held columns are
         moved to the front when the cache is full, and if that leaves less than half the
-        slack free, the cache grows by the slack."""
+        slack free, the cache grows by half (each growth records the forwards again, so
+        growths are few: about 2.5 per doubling of the longest row)."""
         scratch = max(self.recorded)
         if self.used + q + scratch <= self.columns:
             return
         self.compact()
-        if self.used + q + scratch + self.slack // 2 > self.columns:
-            self.resize(round_up(self.used + q + scratch + self.slack))
+        need = self.used + q + scratch
+        if need + self.slack // 2 > self.columns:
+            self.resize(round_up(max(need + self.slack, self.columns * 3 // 2)))
 
     def compact(self) -> None:
         """Move every row's held columns to the front of its slot, in order."""
@@ -254,12 +260,12 @@ def round_up(columns: int) -> int:
 
 
 def slot_cache(model: nn.Module, prompts: list[torch.Tensor], q: int, slots: int,
-               layer_ids: list[int] | None) -> SlotCache:
+               features: Features | None = None) -> SlotCache:
     """A :class:`SlotCache` for these prompts, with the forward of ``q`` tokens recorded:
     room for the longest prompt and ``SLACK_FORWARDS`` forwards, so that a full cache
     compacts at most every ``SLACK_FORWARDS / 2`` forwards; it grows as rows do."""
     slack = SLACK_FORWARDS * q
     longest = max(p.shape[1] for p in prompts)
-    cache = SlotCache(model, slots, round_up(longest + q + slack), layer_ids, slack)
+    cache = SlotCache(model, slots, round_up(longest + q + slack), features, slack)
     cache.record(q)
     return cache

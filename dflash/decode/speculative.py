@@ -100,6 +100,14 @@ def context_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[in
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def drafter_context(drafter: DFlashDrafter, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """What decoding keeps of a target forward for the drafter: its context features
+    projected as the drafter's layers read them (:meth:`DFlashDrafter.context`), ``[b, S, H]``,
+    in the target's dtype (the drafter's block embeddings come from the same weights)."""
+    features = context_features(hidden_states, drafter.config.target_layer_ids)
+    return drafter.context(features, features.dtype)
+
+
 def window(features: torch.Tensor, first: int, keep: int | None) -> tuple[torch.Tensor, int]:
     """Context features ``[1, S, n*H]`` starting at position ``first``, cut to their last
     ``keep`` positions (``None``: all), and the position they then start at."""
@@ -224,12 +232,12 @@ def speculative_steps(
     run an evaluation in the gaps between its training work (:mod:`dflash.decode.live`).
 
     Invariant between cycles: the target cache covers positions ``0..p-1`` and the
-    context features ``first..p-1``; the newest token sits at ``p`` and is in neither.
-    ``first`` is 0 unless every drafter layer slides: then the features keep only the
-    positions a window reaches (``DrafterConfig.context_window``), and the drafter's
-    sliding layers mask the rest of theirs. The drafter is rerun over its whole context
-    each cycle (no drafter cache), which is slower but leaves no cache bookkeeping to
-    get wrong.
+    drafter's context (:func:`drafter_context`) ``first..p-1``; the newest token sits at
+    ``p`` and is in neither. ``first`` is 0 unless every drafter layer slides: then the
+    context keeps only the positions a window reaches (``DrafterConfig.context_window``),
+    and the drafter's sliding layers mask the rest of theirs. Each position's context is
+    projected once; the drafter's layers rerun over the whole context each cycle (no
+    drafter KV cache), which is slower but leaves no cache bookkeeping to get wrong.
 
     After a rejection the target cache goes back to the accepted prefix: cropped when
     every layer keeps all positions (:func:`croppable`); otherwise (sliding windows,
@@ -242,19 +250,20 @@ def speculative_steps(
     cache = DynamicCache(config=target_model.config)
     out = with_cache(target_model, cache, input_ids=prompt_ids, output_hidden_states=True, logits_to_keep=1)
     crop = croppable(cache)
-    features, first = window(context_features(out.hidden_states, cfg.target_layer_ids), 0, cfg.context_window)
+    context, first = window(drafter_context(drafter, out.hidden_states), 0, cfg.context_window)
     new = sample(out.logits[0, -1:], temperature, generator).tolist()
     tokens, lengths = list(new), []
     yield "prompt prefill"  # a slice of its own
     while len(tokens) < max_new_tokens and not any(t in eos_ids for t in new):
-        p = first + features.shape[1]
+        p = first + context.shape[1]
         block = torch.full((1, block_size), cfg.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = tokens[-1]
         hidden = drafter(
-            features,
+            context,
             head.embed(block),
             torch.arange(first, p, device=device)[None],
             torch.arange(p, p + block_size, device=device)[None],
+            projected=True,
         )
         drafts, draft_logits = propose(drafter, head, hidden[0, 1:], tokens[-1], temperature, generator)
         block[0, 1:] = drafts
@@ -266,8 +275,8 @@ def speculative_steps(
         elif n + 1 < block_size:
             roll_back(cache, saved, block_size)
             with_cache(target_model, cache, input_ids=block[:, : n + 1], logits_to_keep=1)
-        features = torch.cat([features, context_features(out.hidden_states, cfg.target_layer_ids)[:, : n + 1]], dim=1)
-        features, first = window(features, first, cfg.context_window)
+        context = torch.cat([context, drafter_context(drafter, out.hidden_states)[:, : n + 1]], dim=1)
+        context, first = window(context, first, cfg.context_window)
         new = drafts[:n].tolist() + [bonus]
         tokens += new
         lengths.append(n + 1)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash.model.attention import grouped_attention
 from dflash.model.linear import Linear
 from dflash.model.selector import CandidateSelector, GroupedCausalConv
 
@@ -269,14 +270,17 @@ def compiled_flex_attention():
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> torch.Tensor:
     """Attention over ``[context; block]`` keys.
 
-    A ``BlockMask`` runs flex_attention (CUDA training); a boolean tensor runs SDPA
-    with that dense mask (CPU training, tests); ``None`` lets every query see every
-    key, which is exactly inference, where the context stops at the anchor.
+    A ``BlockMask`` runs flex_attention (CUDA training); a boolean tensor, the dense
+    mask (CPU training, tests, batched decoding), runs :func:`grouped_attention`;
+    ``None`` lets every query see every key, which is exactly inference, where the
+    context stops at the anchor.
     """
     if isinstance(mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
         return flex(q, k, v, block_mask=mask, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    return grouped_attention(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -420,6 +424,12 @@ class DFlashDrafter(nn.Module):
         window = window_mask(ctx_positions, block_positions, self.config.sliding_window, self.config.sliding_causal)
         return [window if t == SLIDING else None for t in types]
 
+    def context(self, ctx_features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The context as every layer reads it, ``[b, S, H]``: the target's features
+        through ``fc`` and ``hidden_norm``. Position by position, so decoding projects
+        each position once and keeps the result instead of the 5x wider features."""
+        return self.hidden_norm(self.fc(ctx_features.to(dtype)))
+
     def forward(
         self,
         ctx_features: torch.Tensor,
@@ -428,9 +438,11 @@ class DFlashDrafter(nn.Module):
         block_positions: torch.Tensor,
         mask: Mask | dict[str, Mask] = None,
         drafted_only: bool = False,
+        projected: bool = False,
     ) -> torch.Tensor:
         """Final-normed hidden states ``[b, n*B, H]`` of every block slot, or with
-        ``drafted_only`` ``[b, n*(B-1), H]`` of slots 1..B-1 only.
+        ``drafted_only`` ``[b, n*(B-1), H]`` of slots 1..B-1 only. ``projected``: the
+        context comes as :meth:`context` gives it, not as target features.
 
         Slot 0 holds the anchor token, which is given and never predicted. Its row still
         serves as a key and value in every layer's attention, but after the last
@@ -441,7 +453,7 @@ class DFlashDrafter(nn.Module):
         (inference) ``block_embeds`` is a single block of any length."""
         if self.config.input_embedding_scale != 1.0:
             block_embeds = block_embeds * self.config.input_embedding_scale
-        ctx = self.hidden_norm(self.fc(ctx_features.to(block_embeds.dtype)))
+        ctx = ctx_features if projected else self.context(ctx_features, block_embeds.dtype)
         rope_ctx = self.rotary(ctx_positions, block_embeds.dtype)
         rope_block = self.rotary(block_positions, block_embeds.dtype)
         masks = self.layer_masks(mask, ctx_positions, block_positions)

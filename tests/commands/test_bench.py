@@ -5,7 +5,15 @@ import json
 import pytest
 import torch
 
-from dflash.bench import bench_job, format_report, parse_decode, run_bench, run_decode, run_p2p, run_warmup
+from dflash.bench import (
+    bench_job,
+    format_report,
+    parse_decode,
+    run_bench,
+    run_decode,
+    run_p2p,
+    run_warmup,
+)
 from dflash.model.drafter import DFlashDrafter
 from dflash.run.build import drafter_config
 from dflash.run.estimate import drafter_flops

@@ -144,7 +144,7 @@ def test_a_slot_cache_compacts_to_each_rows_columns(target64):
     """After rejections, compaction and growth each row's next-token logits equal those
     of a cache of its own accepted tokens only, a free slot beside them."""
     ids = prompts(2, seed=6)
-    cache = SlotCache(target64, slots=3, columns=20, layer_ids=None, slack=4)
+    cache = SlotCache(target64, slots=3, columns=20, slack=4)
     cache.record(B)
     cache.record(1)
     slots = torch.tensor([2, 0])

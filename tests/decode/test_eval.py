@@ -63,11 +63,14 @@ class ScriptedDrafter(nn.Module):
         self.config = config
         self.proposals = torch.tensor(proposals)
         self.reference_features = reference_features
-        self.context = context
+        self.keep = context
 
-    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None):
+    def context(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return features  # checked as they are: no projection
+
+    def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None, projected=False):
         p = int(block_positions[0, 0])
-        first = 0 if self.context is None else max(0, p - self.context)
+        first = 0 if self.keep is None else max(0, p - self.keep)
         assert mask is None and torch.equal(ctx_positions[0], torch.arange(first, p))
         assert torch.equal(block_positions[0], torch.arange(p, p + self.config.block_size))
         torch.testing.assert_close(ctx_features, self.reference_features[:, first:p], atol=1e-4, rtol=1e-4)

@@ -202,7 +202,7 @@ def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 95, (1, 5 + 3 * i), generator=g).cuda() for i in range(5)]
     with torch.inference_mode():
-        cache = SlotCache(target, slots=2, columns=64, layer_ids=None)
+        cache = SlotCache(target, slots=2, columns=64)
         cache.record(4)
         assert cache.recorded[4].graph is not None
         row = DynamicCache(config=target.config)

@@ -27,7 +27,7 @@ IDS = [4, 0, 2]  # of the 6-layer tiny target
 
 
 def capture_contexts(drafter: nn.Module) -> list[torch.Tensor]:
-    """Every context the drafter is given during decoding."""
+    """Every context the drafter is given during decoding (projected: DFlashDrafter.context)."""
     seen = []
     drafter.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
     return seen
@@ -51,9 +51,11 @@ def test_eval_features_for_exported_ids_equal_the_training_prefill(tmp_path):
     sequence = torch.cat([prompt, torch.tensor([tokens])], dim=1)
     trained = Target(model, config["dflash_config"]["target_layer_ids"]).prefill(sequence).features
     assert trained.shape[-1] == len(IDS) * 64
-    for ctx in contexts:
-        p = ctx.shape[1]
-        torch.testing.assert_close(ctx, trained[:, :p], atol=1e-4, rtol=1e-4, msg=f"context of length {p}")
+    with torch.no_grad():
+        for ctx in contexts:
+            p = ctx.shape[1]
+            torch.testing.assert_close(ctx, drafter.context(trained[:, :p], trained.dtype), atol=1e-4, rtol=1e-4,
+                                       msg=f"context of length {p}")
 
 
 @pytest.fixture
@@ -95,4 +97,6 @@ def test_a_training_run_exports_the_ids_it_captured(tmp_path, prefills):
     length = 24
     head = TargetHead.of(model)
     speculative_generate(model, drafter, head, input_ids[:1, :length], max_new_tokens=2)
-    torch.testing.assert_close(contexts[0], features[:1, :length].float(), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        trained = drafter.context(features[:1, :length].float(), torch.float32)
+    torch.testing.assert_close(contexts[0], trained, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,69 @@
+"""Attention of grouped query heads under a dense mask, without repeating the keys.
+
+SDPA's fused kernels take either an explicit mask or grouped key/value heads, not both:
+given both, it runs its math kernel on copies of the keys and values repeated for every
+query head (and HF's SDPA path repeats them itself whenever a mask is given). At
+decoding shapes those copies were 40% of a batched greedy step's device time on the
+H200 (Qwen3-8B, 32 rows, 4 query heads per key/value head; BENCHMARKS.md). Here the
+query heads that share a key/value head are stacked as extra query rows of one batched
+matmul, so the keys and values are read once and never copied: the math kernel's
+arithmetic, with the grouping done by a view.
+
+Decoding uses it for the target's forwards over its cache (registered with HF as
+``GROUPED``, switched on only around them) and for the drafter under a dense mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+GROUPED = "dflash_grouped"
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
+    """Attention of ``q [b, h, n, d]`` over ``k [b, kv, s, d]``, ``v [b, kv, s, dv]``
+    (``h`` a multiple of ``kv``; query head ``i`` reads key/value head ``i // (h / kv)``,
+    HF's and SDPA's grouping) under ``mask [b or 1, 1, n, s]``: boolean (True attends) or
+    additive. Scores and softmax in float32 (or wider); a query that may see no key gets zeros, as
+    SDPA gives it. Returns ``[b, h, n, dv]``."""
+    b, h, n, d = q.shape
+    kv, s = k.shape[1], k.shape[2]
+    g = h // kv
+    scale = d**-0.5 if scale is None else scale
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.reshape(b, kv, g * n, d), k.transpose(-1, -2)).to(wide).view(b, kv, g, n, s) * scale
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    else:
+        scores = scores + mask[:, :, None].to(wide)
+    probs = scores.softmax(-1).nan_to_num(0.0).to(v.dtype).view(b, kv, g * n, s)
+    return torch.matmul(probs, v).view(b, h, n, v.shape[-1])
+
+
+def hf_grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor, scaling: float | None = None, dropout: float = 0.0,
+                         **kwargs) -> tuple[torch.Tensor, None]:
+    """:func:`grouped_attention` as an HF attention function: output ``[b, n, h, dv]``."""
+    return grouped_attention(query, key, value, attention_mask, scaling).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED, hf_grouped_attention)
+
+
+@contextmanager
+def attention_implementation(model: nn.Module, name: str) -> Iterator[None]:
+    """The HF ``model``'s attention function set to ``name`` for a while (the attention
+    layers look it up in the config at every call)."""
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = saved
