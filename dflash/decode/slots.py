@@ -15,8 +15,8 @@ and, among the new columns, the causal ones. Rows therefore keep their own lengt
 shared columns. RoPE is applied before keys are cached, so a key's column does not
 matter, only that it is held. A rejected draft's column is let go in the mask (its key
 stays, unread); when the next forward would not fit, every row's held columns are moved
-to the front (:meth:`SlotCache.compact`). A prompt prefilled alone joins a free slot
-with its keys written just before ``used``. The mask is handed to the model ready-made
+to the front (:meth:`SlotCache.compact`). A prefilled prompt joins a free slot with its
+keys written just before ``used``. The mask is handed to the model ready-made
 (4D masks are used as given), so nothing in the forward depends on the cache's contents.
 
 On CUDA each query length's forward (the block of a verification, one token of the
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from dflash.decode.speculative import with_cache
@@ -178,18 +177,18 @@ class SlotCache:
         for q in list(self.recorded):
             self.record(q)
 
-    def join(self, slot: int, cache: DynamicCache) -> None:
-        """Put a row prefilled alone (batch 1) into the free ``slot``: its keys go in the
-        columns just before ``used`` (``used`` moves up if the row is longer)."""
-        length = cache.get_seq_length()
+    def join(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put a prefilled row, its keys and values per layer ``[1, h, S, d]``, into the free
+        ``slot``: in the columns just before ``used`` (``used`` moves up if the row is longer)."""
+        length = layers[0][0].shape[2]
         self.make_room(max(self.used, length) - self.used)
         self.used = max(self.used, length)
         at = slice(self.used - length, self.used)
-        for i, layer in enumerate(cache.layers):
+        for i, (keys, values) in enumerate(layers):
             if i == len(self.kv.keys):
-                self.kv.allocate(i, layer.keys, layer.values)
-            self.kv.keys[i][slot, :, at] = layer.keys[0]
-            self.kv.values[i][slot, :, at] = layer.values[0]
+                self.kv.allocate(i, keys, values)
+            self.kv.keys[i][slot, :, at] = keys[0]
+            self.kv.values[i][slot, :, at] = values[0]
         self.valid[slot] = False
         self.valid[slot, at] = True
 

@@ -30,19 +30,19 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """Attention of ``q [b, h, n, d]`` over ``k [b, kv, s, d]``, ``v [b, kv, s, dv]``
     (``h`` a multiple of ``kv``; query head ``i`` reads key/value head ``i // (h / kv)``,
     HF's and SDPA's grouping) under ``mask [b or 1, 1, n, s]``: boolean (True attends) or
-    additive. Scores and softmax in float32 (or wider); a query that may see no key gets zeros, as
-    SDPA gives it. Returns ``[b, h, n, dv]``."""
+    additive (finite). Scores and softmax in float32 (or wider); under a boolean mask a query
+    that may see no key gets zeros, as SDPA gives it. Returns ``[b, h, n, dv]``."""
     b, h, n, d = q.shape
     kv, s = k.shape[1], k.shape[2]
     g = h // kv
     scale = d**-0.5 if scale is None else scale
     wide = torch.promote_types(q.dtype, torch.float32)
     scores = torch.matmul(q.reshape(b, kv, g * n, d), k.transpose(-1, -2)).to(wide).view(b, kv, g, n, s) * scale
-    if mask.dtype == torch.bool:
-        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    else:
-        scores = scores + mask[:, :, None].to(wide)
-    probs = scores.softmax(-1).nan_to_num(0.0).to(v.dtype).view(b, kv, g * n, s)
+    if mask.dtype == torch.bool:  # -inf everywhere in a row gives NaN there: zeros, as SDPA
+        probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    else:  # an additive mask holds finite values: no row is empty
+        probs = (scores + mask[:, :, None].to(wide)).softmax(-1)
+    probs = probs.to(v.dtype).view(b, kv, g * n, s)
     return torch.matmul(probs, v).view(b, h, n, v.shape[-1])
 
 

@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from dflash.decode.baseline import GreedyBaselines, fingerprint
 from dflash.decode.batch import (
     greedy_batch_steps,
+    prefill_groups,
     single,
     speculative_batch_steps,
 )
@@ -152,7 +153,7 @@ def test_a_slot_cache_compacts_to_each_rows_columns(target64):
         for slot, p in zip(slots.tolist(), ids):
             row = DynamicCache(config=target64.config)
             with_cache(target64, row, input_ids=p)
-            cache.join(slot, row)
+            cache.join(slot, [(layer.keys, layer.values) for layer in row.layers])
         blocks = torch.randint(0, VOCAB - 1, (6, 2, B), generator=torch.Generator().manual_seed(0))
         kept, length = [[], []], [p.shape[1] for p in ids]
         for block, keep in zip(blocks, ([1, 4], [4, 1]) * 3):
@@ -168,6 +169,14 @@ def test_a_slot_cache_compacts_to_each_rows_columns(target64):
         for r, p in enumerate(ids):
             alone = target64(input_ids=torch.cat([p, torch.tensor([kept[r] + [7 + r]])], dim=1)).logits[0, -1]
             torch.testing.assert_close(logits[r], alone, rtol=1e-9, atol=1e-9)
+
+
+def test_prompts_are_prefilled_together_within_the_token_budget():
+    lengths = [5, 9, 3, 30, 4, 4]
+    ids = [torch.zeros(1, n, dtype=torch.long) for n in lengths]
+    groups = prefill_groups(ids, list(range(6)), tokens=20)
+    assert groups == [[0, 1], [2], [3], [4, 5]]  # 3 x 9 > 20; 30 alone; in order
+    assert sum(groups, []) == list(range(6))
 
 
 def test_baselines_are_keyed_by_the_weights_and_kept_in_their_file(tmp_path, target64):

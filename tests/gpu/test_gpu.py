@@ -207,7 +207,7 @@ def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
         assert cache.recorded[4].graph is not None
         row = DynamicCache(config=target.config)
         with_cache(target, row, input_ids=prompts[0])
-        cache.join(1, row)
+        cache.join(1, [(layer.keys, layer.values) for layer in row.layers])
         block = torch.randint(0, 95, (1, 4), generator=g).cuda()
         positions = prompts[0].shape[1] + torch.arange(4, device="cuda")[None]
         logits = cache.forward(torch.tensor([1], device="cuda"), block, positions)[0]
