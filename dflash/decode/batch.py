@@ -13,9 +13,10 @@ Masked keys get zero attention weight, so each row computes what the batch-1 loo
 computes, up to the rounding of other matrix shapes. With every shape fixed, the target's
 forwards replay as CUDA graphs.
 
-Each prompt is prefilled alone (one forward of its own length, as the batch-1 loop
-does, so its first token and context features are those of the batch-1 loop) and
-joins the batch where a finished row left (continuous batching). A target whose cache
+Waiting prompts are prefilled together, right-padded with no mask (under the causal
+mask a prompt's tokens never see the padding after them), up to ``PREFILL_TOKENS``
+padded tokens per forward, and join the batch where finished rows left (continuous
+batching). A target whose cache
 holds layers that cannot give a position back (sliding windows, linear attention:
 :func:`dflash.decode.speculative.croppable`) is decoded one prompt at a time.
 
