@@ -545,10 +545,12 @@ def timed_decode(steps, device: torch.device) -> tuple[object, float]:
     return result, time.perf_counter() - start
 
 
-def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2) -> dict:
+def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2, profile: bool = False) -> dict:
     """Decoding speed at the target's shapes: per spec, the speculative decoding of the
     prompts (``eval.batch_size`` at a time), the first ``batch_one`` of them at batch 1
-    (the loop before batching), and the plain greedy baseline in batches."""
+    (the loop before batching), and the plain greedy baseline in batches. ``profile``:
+    then one batch of the last spec's prompts, 32 new tokens each, speculative and greedy,
+    under the torch profiler."""
     device, dtype = job.device, job.dtype
     model = random_target(job.target_config, device, dtype, job.plan.seed)
     head = TargetHead.of(model)
@@ -590,8 +592,14 @@ def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2) -> di
             "lossless_prompts": sum(a == b for a, b in zip(outputs, baseline)),
         }]
         log.info("%s", rows[-2:])
-    return {"decode": rows, "target": job.cfg.target.name, "dtype": str(dtype).removeprefix("torch."),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    report = {"decode": rows, "target": job.cfg.target.name, "dtype": str(dtype).removeprefix("torch."),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__}
+    if profile:
+        batch = ids[:batch_size]
+        report["profile"] = profile_table(lambda: (
+            run_to_end(speculative_batch_steps(model, drafter, head, batch, max_new_tokens=32, batch_size=batch_size)),
+            run_to_end(greedy_batch_steps(model, batch, 32, batch_size=batch_size))), device, calls=1)
+    return report
 
 
 def format_report(report: dict) -> str:
@@ -656,8 +664,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200 measured: 790)")
     parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
     parser.add_argument("--p2p", action="store_true", help="measure bundle bandwidth between two local ranks instead")
-    parser.add_argument("--profile", choices=[*MODES, "colocated"],
-                        help="also profile the drafter step of this mode, or the colocated step")
+    parser.add_argument("--profile", choices=[*MODES, "colocated", "decode"],
+                        help="also profile the drafter step of this mode, the colocated step, or (with --decode) "
+                             "a batch of decoding")
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step in the drafter and colocated rows")
     parser.add_argument("--decode", metavar="NxM", help="time decoding N prompts x M new tokens instead, e.g. 64x256")
@@ -668,7 +677,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = ["wandb.mode=disabled", *args.overrides]
     if args.decode:
-        report = run_decode(bench_job(overrides), parse_decode(args.decode), args.batch_one)
+        report = run_decode(bench_job(overrides), parse_decode(args.decode), args.batch_one, args.profile == "decode")
     elif args.p2p:
         report = run_p2p(overrides, args.steps)
     elif args.warmup_procs:
@@ -680,8 +689,9 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(format_report(report))
     if report.get("profile"):
-        what = "colocated step" if args.profile == "colocated" else f"drafter step, {args.profile},"
-        print(f"{what} profiled over 3 steps:\n{report['profile']}")
+        what = {"colocated": "colocated step, over 3 steps", "decode": "decoding, one batch x 32 tokens, "
+                "speculative then greedy"}.get(args.profile, f"drafter step, {args.profile}, over 3 steps")
+        print(f"{what}, profiled:\n{report['profile']}")
     print(f"written to {args.out}")
 
 

@@ -52,8 +52,9 @@ def test_bench_reports_every_role(tmp_path):
 
 
 def test_decode_bench_times_the_evaluation_loops():
-    report = run_decode(bench_job(TINY), parse_decode("3x6"), batch_one=1)
+    report = run_decode(bench_job(TINY), parse_decode("3x6"), batch_one=1, profile=True)
     rows = {r["mode"]: r for r in report["decode"]}
+    assert "Self CPU" in report["profile"]
     assert set(rows) == {"speculative, batch 32", "speculative, batch 1", "greedy baseline, batch 32"}
     assert rows["speculative, batch 32"]["new_tokens"] == 18 and rows["speculative, batch 1"]["new_tokens"] == 6
     assert rows["greedy baseline, batch 32"]["lossless_prompts"] == 3  # float32 on the CPU
