@@ -545,12 +545,12 @@ def timed_decode(steps, device: torch.device) -> tuple[object, float]:
     return result, time.perf_counter() - start
 
 
-def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2, profile: bool = False) -> dict:
+def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2, profile: int = 0) -> dict:
     """Decoding speed at the target's shapes: per spec, the speculative decoding of the
     prompts (``eval.batch_size`` at a time), the first ``batch_one`` of them at batch 1
-    (the loop before batching), and the plain greedy baseline in batches. ``profile``:
-    then one batch of the last spec's prompts, 32 new tokens each, speculative and greedy,
-    under the torch profiler."""
+    (the loop before batching), and the plain greedy baseline in batches. ``profile > 0``:
+    then one batch of the last spec's prompts, ``profile`` new tokens each, speculative and
+    greedy, under the torch profiler."""
     device, dtype = job.device, job.dtype
     model = random_target(job.target_config, device, dtype, job.plan.seed)
     head = TargetHead.of(model)
@@ -597,8 +597,9 @@ def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2, profi
     if profile:
         batch = ids[:batch_size]
         report["profile"] = profile_table(lambda: (
-            run_to_end(speculative_batch_steps(model, drafter, head, batch, max_new_tokens=32, batch_size=batch_size)),
-            run_to_end(greedy_batch_steps(model, batch, 32, batch_size=batch_size))), device, calls=1)
+            run_to_end(speculative_batch_steps(model, drafter, head, batch, max_new_tokens=profile,
+                                               batch_size=batch_size)),
+            run_to_end(greedy_batch_steps(model, batch, profile, batch_size=batch_size))), device, calls=1)
     return report
 
 
@@ -677,7 +678,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     overrides = ["wandb.mode=disabled", *args.overrides]
     if args.decode:
-        report = run_decode(bench_job(overrides), parse_decode(args.decode), args.batch_one, args.profile == "decode")
+        report = run_decode(bench_job(overrides), parse_decode(args.decode), args.batch_one,
+                            32 if args.profile == "decode" else 0)
     elif args.p2p:
         report = run_p2p(overrides, args.steps)
     elif args.warmup_procs:

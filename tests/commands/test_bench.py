@@ -52,7 +52,7 @@ def test_bench_reports_every_role(tmp_path):
 
 
 def test_decode_bench_times_the_evaluation_loops():
-    report = run_decode(bench_job(TINY), parse_decode("3x6"), batch_one=1, profile=True)
+    report = run_decode(bench_job(TINY), parse_decode("3x6"), batch_one=1, profile=2)
     rows = {r["mode"]: r for r in report["decode"]}
     assert "Self CPU" in report["profile"]
     assert set(rows) == {"speculative, batch 32", "speculative, batch 1", "greedy baseline, batch 32"}
