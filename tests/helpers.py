@@ -196,7 +196,7 @@ def forward_on_noise(drafter: nn.Module, seed: int = 0) -> torch.Tensor:
 
 class PromptScriptDrafter(nn.Module):
     """Recognises each row's prompt by its context features (checked against the target's
-    hidden states of the accepted prefix; a batched forward masks the padding) and
+    hidden states of the accepted prefix; a batched forward masks the columns a row does not hold) and
     proposes that prompt's scripted tokens at the block's positions. Its "hidden state"
     is the proposal, which :class:`OneHotHead` turns into logits. ``scripts`` holds a
     (sequence, proposals) pair per prompt: the sequence the target's features come
@@ -218,9 +218,14 @@ class PromptScriptDrafter(nn.Module):
 
     def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None, projected=False):
         width = ctx_features.shape[1]
-        lengths = [width] * len(ctx_features) if mask is None else mask[:, 0, 0, :width].sum(-1).tolist()
         rows = []
-        for features, p, positions in zip(ctx_features, lengths, block_positions):
+        for b, (features, positions) in enumerate(zip(ctx_features, block_positions)):
+            if mask is not None:  # a batched forward: the row's held columns, in order (none: a free slot)
+                features = features[mask[b, 0, 0, :width]]
+                if not len(features):
+                    rows.append(torch.zeros(len(positions), 1, dtype=self.dtype))
+                    continue
+            p = len(features)
             found = [proposals for script, proposals in self.scripts
                      if p <= len(script) and torch.allclose(features[:p], script[:p], rtol=self.tol, atol=self.tol)]
             assert len(found) == 1, f"context of length {p} matches {len(found)} scripted prompts"

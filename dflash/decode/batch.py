@@ -65,17 +65,15 @@ def pad_columns(t: torch.Tensor, width: int, value: float | bool = 0) -> torch.T
 @dataclass
 class Row:
     """One prompt being decoded: its tokens so far, the position ``p`` of the newest one
-    (in no cache yet), acceptance per cycle, and the drafter's context (projected, of the
-    positions ``first..p-1``)."""
+    (in no cache yet), and acceptance per cycle. Its keys, values and drafter context
+    live in its slot of the :class:`SlotCache`."""
 
     index: int
     tokens: list[int]
     p: int
     generator: torch.Generator | None = None
-    slot: int = -1  # its place in the SlotCache
+    slot: int = -1
     lengths: list[int] = field(default_factory=list)
-    context: torch.Tensor | None = None
-    first: int = 0
 
 
 def finished(row: Row, new: list[int], max_new_tokens: int, eos_ids: Collection[int]) -> bool:
@@ -103,28 +101,30 @@ def drafter_masks(drafter: DFlashDrafter, valid: torch.Tensor, ctx_positions: to
             SLIDING: seen & window_mask(ctx_positions, block_positions, cfg.sliding_window, cfg.sliding_causal)}
 
 
-def draft_hidden(drafter: DFlashDrafter, head: TargetHead, rows: list[Row], mask_token_id: int, block_size: int,
-                 device: torch.device) -> torch.Tensor:
+def draft_hidden(drafter: DFlashDrafter, head: TargetHead, cache: SlotCache, rows: list[Row], mask_token_id: int,
+                 block_size: int) -> torch.Tensor:
     """The drafter's hidden states ``[b, B, H]`` of every row's block ``[last, MASK...]``:
-    one forward over the rows' contexts padded to the longest (one row: unpadded, the
-    batch-1 loop's forward), or row by row (:func:`batched_drafter`)."""
+    one forward over the rows' contexts as the cache holds them, the columns a row does not
+    hold masked, or row by row over each row's own context (:func:`batched_drafter`)."""
+    device = cache.device
+    offsets = torch.arange(block_size, device=device)
+    if not batched_drafter(drafter, block_size):
+        hidden = []
+        for r in rows:
+            held = cache.valid[r.slot].nonzero()[:, 0]
+            context, first = window(cache.context[r.slot, held][None], 0, drafter.config.context_window)
+            block = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)
+            block[0, 0] = r.tokens[-1]
+            hidden.append(drafter(context, head.embed(block), torch.arange(first, r.p, device=device)[None],
+                                  (r.p + offsets)[None], projected=True))
+        return torch.cat(hidden)
+    index = torch.tensor([r.slot for r in rows], device=device)
+    columns = slice(0, cache.used)  # no row holds a column beyond
+    context, valid = cache.context[index, columns], cache.valid[index, columns]
+    ctx_positions = cache.positions[index, columns]
     block = torch.full((len(rows), block_size), mask_token_id, dtype=torch.long, device=device)
     block[:, 0] = torch.tensor([r.tokens[-1] for r in rows], device=device)
-    offsets = torch.arange(block_size, device=device)
-    if len(rows) == 1 or not batched_drafter(drafter, block_size):
-        return torch.cat([
-            drafter(r.context, head.embed(block[i : i + 1]), torch.arange(r.first, r.p, device=device)[None],
-                    (r.p + offsets)[None], projected=True)
-            for i, r in enumerate(rows)
-        ])
-    width = max(r.context.shape[1] for r in rows)
-    context = torch.stack([pad_columns(r.context[0], width) for r in rows])
-    ctx = torch.arange(width, device=device)[None]
-    lengths = torch.tensor([r.context.shape[1] for r in rows], device=device)
-    firsts = torch.tensor([r.first for r in rows], device=device)
-    valid = ctx < lengths[:, None]
-    ctx_positions = torch.where(valid, firsts[:, None] + ctx, 0)
-    block_positions = (firsts + lengths)[:, None] + offsets
+    block_positions = torch.tensor([r.p for r in rows], device=device)[:, None] + offsets
     masks = drafter_masks(drafter, valid, ctx_positions, block_positions)
     return drafter(context, head.embed(block), ctx_positions, block_positions, masks, projected=True)
 
@@ -135,13 +135,22 @@ def single(target_model: nn.Module) -> bool:
     return not croppable(DynamicCache(config=target_model.config))
 
 
+@dataclass
+class Started:
+    """A prefilled prompt: its row (holding the first token), its keys and values per layer
+    ``[1, h, S, d]`` and, for a drafter, its projected context ``[1, S, H]``."""
+
+    row: Row
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    context: torch.Tensor | None
+
+
 def prefill(target_model: nn.Module, drafter: DFlashDrafter | None, indices: list[int],
             prompts: Sequence[torch.Tensor], generators: Sequence[torch.Generator | None], temperature: float
-            ) -> list[tuple[list[tuple[torch.Tensor, torch.Tensor]], Row]]:
+            ) -> list[Started]:
     """Prompts ``prompts[i]`` for ``i`` in ``indices`` prefilled in one forward, right-padded
     to the longest with no attention mask (under the causal mask a prompt's tokens never see
-    the padding after them): per prompt, its keys and values per layer ``[1, h, S, d]`` and
-    its row, holding the first token (and, for a drafter, the projected context)."""
+    the padding after them)."""
     lengths = [prompts[i].shape[1] for i in indices]
     ids = torch.zeros(len(indices), max(lengths), dtype=torch.long, device=prompts[indices[0]].device)
     for r, i in enumerate(indices):
@@ -155,10 +164,8 @@ def prefill(target_model: nn.Module, drafter: DFlashDrafter | None, indices: lis
     for r, (i, n) in enumerate(zip(indices, lengths)):
         row = Row(i, sample(out.logits[r, ends.index(n - 1)][None], temperature, generators[i]).tolist(), n,
                   generators[i])
-        if context is not None:
-            row.context, row.first = window(context[r : r + 1, :n], 0, drafter.config.context_window)
         layers = [(layer.keys[r : r + 1, :, :n], layer.values[r : r + 1, :, :n]) for layer in cache.layers]
-        started.append((layers, row))
+        started.append(Started(row, layers, None if context is None else context[r : r + 1, :n]))
     return started
 
 
@@ -201,23 +208,23 @@ def accept_rows(drafts: torch.Tensor, draft_logits: list[torch.Tensor] | None, t
 
 
 def refill(rows: list[Row], cache: SlotCache, pending: list[int], free: list[int], prompts: Sequence[torch.Tensor],
-           start: Callable[[list[int]], list[tuple[list, Row]]], finished_first: Callable[[Row], bool]
+           start: Callable[[list[int]], list[Started]], finished_first: Callable[[Row], bool]
            ) -> Generator[str, None, list[Row]]:
     """Prefill waiting prompts into the free slots, ``PREFILL_TOKENS`` padded tokens per
-    forward (``start(indices)`` gives their keys, values and rows), pausing after each;
-    returns the rows already finished by their first token (they never join)."""
+    forward (``start(indices)`` prefills them), pausing after each; returns the rows
+    already finished by their first token (they never join)."""
     done = []
     taken = [pending.pop() for _ in range(min(len(pending), len(free)))]
     for group in prefill_groups(prompts, taken, PREFILL_TOKENS):
         started = start(group)
         yield "prompt prefill"
-        for layers, row in started:
-            if finished_first(row):
-                done.append(row)
+        for s in started:
+            if finished_first(s.row):
+                done.append(s.row)
             else:
-                row.slot = free.pop()
-                cache.join(row.slot, layers)
-                rows.append(row)
+                s.row.slot = free.pop()
+                cache.join(s.row.slot, s.layers, s.context)
+                rows.append(s.row)
     return done
 
 
@@ -267,7 +274,7 @@ def speculative_batch_steps(
                        lambda hidden_states: drafter_context(drafter, hidden_states))
     rows, pending, free = [], list(range(len(prompts)))[::-1], list(range(slots))[::-1]
 
-    def start(indices: list[int]) -> list[tuple[list, Row]]:
+    def start(indices: list[int]) -> list[Started]:
         return prefill(target_model, drafter, indices, prompts, generators, temperature)
 
     def record(done: list[Row]) -> None:
@@ -281,19 +288,17 @@ def speculative_batch_steps(
         record((yield from refill(rows, cache, pending, free, prompts, start, first_done)))
         if not rows:
             continue
-        hidden = draft_hidden(drafter, head, rows, cfg.mask_token_id, block_size, device)
+        hidden = draft_hidden(drafter, head, cache, rows, cfg.mask_token_id, block_size)
         drafts, draft_logits = propose_rows(drafter, head, hidden[:, 1:], rows, temperature)
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         positions = torch.tensor([r.p for r in rows], device=device)[:, None] + offsets
         index = torch.tensor([r.slot for r in rows], device=device)
-        logits, context = cache.forward(index, torch.cat([last, drafts], dim=1), positions)
+        logits = cache.forward(index, torch.cat([last, drafts], dim=1), positions)
         n, bonus = accept_rows(drafts, draft_logits, logits, rows, temperature)
         cache.keep(index, torch.tensor(n, device=device) + 1, block_size)
         drafted = drafts.tolist()
         over = []
         for i, r in enumerate(rows):
-            r.context, r.first = window(torch.cat([r.context, context[i : i + 1, : n[i] + 1]], dim=1), r.first,
-                                        cfg.context_window)
             new = drafted[i][: n[i]] + [bonus[i]]
             r.tokens += new
             r.p += n[i] + 1
@@ -326,7 +331,7 @@ def greedy_batch_steps(
     cache = slot_cache(target_model, prompts, 1, slots, None)
     rows, pending, free = [], list(range(len(prompts)))[::-1], list(range(slots))[::-1]
 
-    def start(indices: list[int]) -> list[tuple[list, Row]]:
+    def start(indices: list[int]) -> list[Started]:
         return prefill(target_model, None, indices, prompts, [None] * len(prompts), 0.0)
 
     def record(done: list[Row]) -> None:
@@ -343,7 +348,7 @@ def greedy_batch_steps(
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
         positions = torch.tensor([[r.p] for r in rows], device=device)
         index = torch.tensor([r.slot for r in rows], device=device)
-        tokens = cache.forward(index, last, positions)[0][:, -1].argmax(-1).tolist()
+        tokens = cache.forward(index, last, positions)[:, -1].argmax(-1).tolist()
         cache.keep(index, torch.ones_like(index), 1)
         over = []
         for r, t in zip(rows, tokens):

@@ -16,7 +16,9 @@ shared columns. RoPE is applied before keys are cached, so a key's column does n
 matter, only that it is held. A rejected draft's column is let go in the mask (its key
 stays, unread); when the next forward would not fit, every row's held columns are moved
 to the front (:meth:`SlotCache.compact`). A prefilled prompt joins a free slot with its
-keys written just before ``used``. The mask is handed to the model ready-made
+keys written just before ``used``. Beside the keys the cache keeps each column's position
+and, for speculative decoding, the drafter's context of that position (the features the
+forward captured, projected), so the drafter reads its rows' contexts where they are. The mask is handed to the model ready-made
 (4D masks are used as given), so nothing in the forward depends on the cache's contents.
 
 On CUDA each query length's forward (the block of a verification, one token of the
@@ -40,7 +42,7 @@ from dflash.model.attention import GROUPED, attention_implementation
 
 log = logging.getLogger(__name__)
 
-# what a forward hands the drafter, from its hidden states (output_hidden_states)
+# what a forward keeps for the drafter, from its hidden states (output_hidden_states): [slots, q, H]
 Features = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
 
 SLACK_FORWARDS = 16  # free columns kept beyond the longest row, in forwards
@@ -85,9 +87,9 @@ class Recorded:
     positions: torch.Tensor  # [slots, q]
     mask: torch.Tensor  # [slots, 1, q, columns], 0 where a query may look, the dtype's minimum elsewhere
     write_at: torch.Tensor  # [q]
-    run: Callable[[], tuple[torch.Tensor, torch.Tensor | None]]
+    run: Callable[[], torch.Tensor]  # the logits [slots, q, V]
     graph: torch.cuda.CUDAGraph | None = None
-    outputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
+    logits: torch.Tensor | None = None  # the recorded run's
 
 
 class SlotCache:
@@ -100,6 +102,8 @@ class SlotCache:
         self.device = model.get_output_embeddings().weight.device
         self.dtype = model.get_output_embeddings().weight.dtype
         self.valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
+        self.positions = torch.zeros(slots, columns, dtype=torch.long, device=self.device)  # each column's position
+        self.context: torch.Tensor | None = None  # [slots, columns, H]: what ``features`` made of each column
         self.used = 0
         self.recorded: dict[int, Recorded] = {}
 
@@ -129,16 +133,19 @@ class SlotCache:
             positions=torch.zeros(slots, q, dtype=torch.long, device=self.device),
             mask=self.additive(torch.zeros(slots, 1, q, columns, dtype=torch.bool, device=self.device)),
             write_at=torch.arange(columns - q, columns, device=self.device),
-            run=lambda: (None, None),
+            run=lambda: r.input_ids,
         )
         r.mask[..., scratch] = self.additive(torch.ones(q, q, dtype=torch.bool, device=self.device).tril())
 
-        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+        def run() -> torch.Tensor:
             self.kv.write_at = r.write_at
             with attention_implementation(self.model, GROUPED):
                 out = with_cache(self.model, self.kv, input_ids=r.input_ids, position_ids=r.positions,
                                  attention_mask=r.mask, output_hidden_states=self.features is not None)
-            return out.logits, None if self.features is None else self.features(out.hidden_states)
+            self.positions.index_copy_(1, r.write_at, r.positions)
+            if self.features is not None:
+                self.store_context(r.write_at, self.features(out.hidden_states))
+            return out.logits
 
         r.run = run
         self.recorded[q] = r
@@ -162,7 +169,7 @@ class SlotCache:
         torch.cuda.current_stream().wait_stream(side)
         r.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(r.graph):
-            r.outputs = run()
+            r.logits = run()
 
     def resize(self, columns: int) -> None:
         """Room for ``columns`` columns: the buffers move, every forward is recorded again."""
@@ -171,15 +178,28 @@ class SlotCache:
                 grown = t.new_zeros(*t.shape[:2], columns, t.shape[3])
                 grown[:, :, : self.used] = t[:, :, : self.used]
                 buffers[i] = grown
-        valid = self.valid.new_zeros(self.slots, columns)
-        valid[:, : self.used] = self.valid[:, : self.used]
-        self.valid, self.kv.columns = valid, columns
+        def grown(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros(self.slots, columns, *t.shape[2:])
+            out[:, : self.used] = t[:, : self.used]
+            return out
+
+        self.valid, self.positions = grown(self.valid), grown(self.positions)
+        self.context = None if self.context is None else grown(self.context)
+        self.kv.columns = columns
         for q in list(self.recorded):
             self.record(q)
 
-    def join(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Put a prefilled row, its keys and values per layer ``[1, h, S, d]``, into the free
-        ``slot``: in the columns just before ``used`` (``used`` moves up if the row is longer)."""
+    def store_context(self, columns: torch.Tensor, context: torch.Tensor) -> None:
+        """``context [slots, q, H]`` into ``columns [q]`` of every slot (allocated at the first)."""
+        if self.context is None:
+            self.context = context.new_zeros(self.slots, self.columns, context.shape[-1])
+        self.context.index_copy_(1, columns, context)
+
+    def join(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], context: torch.Tensor | None = None
+             ) -> None:
+        """Put a prefilled row into the free ``slot``: its keys and values per layer
+        ``[1, h, S, d]`` and its drafter context ``[1, S, H]``, at positions ``0..S-1``, in
+        the columns just before ``used`` (``used`` moves up if the row is longer)."""
         length = layers[0][0].shape[2]
         self.make_room(max(self.used, length) - self.used)
         self.used = max(self.used, length)
@@ -189,17 +209,21 @@ class SlotCache:
                 self.kv.allocate(i, keys, values)
             self.kv.keys[i][slot, :, at] = keys[0]
             self.kv.values[i][slot, :, at] = values[0]
+        self.positions[slot, at] = torch.arange(length, device=self.device)
+        if context is not None:
+            if self.context is None:
+                self.context = context.new_zeros(self.slots, self.columns, context.shape[-1])
+            self.context[slot, at] = context[0]
         self.valid[slot] = False
         self.valid[slot, at] = True
 
     def leave(self, slot: int) -> None:
         self.valid[slot] = False
 
-    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The target over ``input_ids [b, q]`` at ``positions`` for the rows in ``slots [b]``:
-        their logits ``[b, q, V]`` and what ``features`` makes of the hidden states (None
-        without it). The ``q`` new columns count as held until :meth:`keep`."""
+        their logits ``[b, q, V]``; what ``features`` makes of the hidden states goes to
+        :attr:`context`. The ``q`` new columns count as held until :meth:`keep`."""
         q = input_ids.shape[1]
         self.make_room(q)
         r = self.recorded[q]
@@ -215,11 +239,11 @@ class SlotCache:
         r.mask[:, 0, :, new] = self.additive(causal)
         self.used += q
         if r.graph is None:
-            logits, features = r.run()
+            logits = r.run()
         else:
             r.graph.replay()
-            logits, features = r.outputs
-        return logits[slots], None if features is None else features[slots]
+            logits = r.logits
+        return logits[slots]
 
     def keep(self, slots: torch.Tensor, kept: torch.Tensor, q: int) -> None:
         """After a forward of ``q`` tokens, the row in ``slots[i]`` holds only the first
@@ -243,13 +267,17 @@ class SlotCache:
             self.resize(round_up(max(need + self.slack, self.columns * 3 // 2)))
 
     def compact(self) -> None:
-        """Move every row's held columns to the front of its slot, in order."""
+        """Move every row's held columns (keys, values, positions, context) to the front of
+        its slot, in order."""
         held = self.valid.sum(1)
         width = int(held.max())
         order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :width]
         for buffers in (self.kv.keys, self.kv.values):
             for t in buffers:
                 t[:, :, :width] = t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+        self.positions[:, :width] = self.positions.gather(1, order)
+        if self.context is not None:
+            self.context[:, :width] = self.context.gather(1, order[..., None].expand(-1, -1, self.context.shape[-1]))
         self.valid = torch.arange(self.columns, device=self.device)[None] < held[:, None]
         self.used = width
 

@@ -143,17 +143,18 @@ def test_caches_that_cannot_be_cut_per_row_decode_one_prompt_at_a_time(name, alo
 
 def test_a_slot_cache_compacts_to_each_rows_columns(target64):
     """After rejections, compaction and growth each row's next-token logits equal those
-    of a cache of its own accepted tokens only, a free slot beside them."""
+    of a cache of its own accepted tokens only, a free slot beside them, and its held
+    columns carry its positions in order and its own context."""
     ids = prompts(2, seed=6)
-    cache = SlotCache(target64, slots=3, columns=20, slack=4)
+    cache = SlotCache(target64, slots=3, columns=20, features=lambda hidden_states: hidden_states[-1], slack=4)
     cache.record(B)
     cache.record(1)
     slots = torch.tensor([2, 0])
     with torch.no_grad():
         for slot, p in zip(slots.tolist(), ids):
             row = DynamicCache(config=target64.config)
-            with_cache(target64, row, input_ids=p)
-            cache.join(slot, [(layer.keys, layer.values) for layer in row.layers])
+            out = with_cache(target64, row, input_ids=p, output_hidden_states=True)
+            cache.join(slot, [(layer.keys, layer.values) for layer in row.layers], out.hidden_states[-1])
         blocks = torch.randint(0, VOCAB - 1, (6, 2, B), generator=torch.Generator().manual_seed(0))
         kept, length = [[], []], [p.shape[1] for p in ids]
         for block, keep in zip(blocks, ([1, 4], [4, 1]) * 3):
@@ -165,10 +166,15 @@ def test_a_slot_cache_compacts_to_each_rows_columns(target64):
                 length[r] += keep[r]
         assert cache.used < ids[1].shape[1] + 6 * B and cache.columns > 20  # compacted and grown on the way
         nxt = torch.tensor([[7], [8]])
-        logits = cache.forward(slots, nxt, torch.tensor(length)[:, None])[0][:, -1]
+        logits = cache.forward(slots, nxt, torch.tensor(length)[:, None])[:, -1]
         for r, p in enumerate(ids):
-            alone = target64(input_ids=torch.cat([p, torch.tensor([kept[r] + [7 + r]])], dim=1)).logits[0, -1]
-            torch.testing.assert_close(logits[r], alone, rtol=1e-9, atol=1e-9)
+            sequence = torch.cat([p, torch.tensor([kept[r] + [7 + r]])], dim=1)
+            alone = target64(input_ids=sequence, output_hidden_states=True)
+            torch.testing.assert_close(logits[r], alone.logits[0, -1], rtol=1e-9, atol=1e-9)
+            held = cache.valid[slots[r]]  # the next token's column counts as held until keep()
+            assert cache.positions[slots[r], held].tolist() == list(range(sequence.shape[1]))
+            torch.testing.assert_close(cache.context[slots[r], held][-1], alone.hidden_states[-1][0, -1],
+                                       rtol=1e-9, atol=1e-9)
 
 
 def test_prompts_are_prefilled_together_within_the_token_budget():

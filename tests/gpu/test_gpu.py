@@ -210,7 +210,7 @@ def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
         cache.join(1, [(layer.keys, layer.values) for layer in row.layers])
         block = torch.randint(0, 95, (1, 4), generator=g).cuda()
         positions = prompts[0].shape[1] + torch.arange(4, device="cuda")[None]
-        logits = cache.forward(torch.tensor([1], device="cuda"), block, positions)[0]
+        logits = cache.forward(torch.tensor([1], device="cuda"), block, positions)
         alone = target(input_ids=torch.cat([prompts[0], block], dim=1)).logits[:, -4:]
         torch.testing.assert_close(logits, alone, rtol=1e-4, atol=1e-4)
     expected = [speculative_generate(target, drafter, head, p, max_new_tokens=24) for p in prompts]
