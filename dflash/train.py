@@ -68,7 +68,7 @@ def dry_run(cfg: DictConfig, job) -> dict:
     if int(os.environ.get("RANK", 0)) == 0:
         print(format_estimate(job, cost), flush=True)
         if world > 1:
-            print(format_options(options, targets, job.plan.packing), flush=True)
+            print(format_options(options, targets, job.plan.micro_batch_size, job.plan.packing), flush=True)
     return {"dry_run": True}
 
 
@@ -88,7 +88,7 @@ def train(cfg: DictConfig) -> dict:
         cost = of_layout(job, options, topo.num_targets if topo else 0)
         log.info("%s", format_estimate(job, cost))
         if topo:
-            log.info("%s", format_options(options, topo.num_targets, job.plan.packing))
+            log.info("%s", format_options(options, topo.num_targets, job.plan.micro_batch_size, job.plan.packing))
         try:
             check_fits(cost)
         except PlanError as e:

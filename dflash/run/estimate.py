@@ -332,9 +332,10 @@ def of_layout(job: Job, options: list[Estimate], targets: int) -> Estimate:
     return found[0] if found else estimate(job, options[0].world_size, targets)
 
 
-def format_options(options: list[Estimate], chosen: int, packing: bool = False) -> str:
+def format_options(options: list[Estimate], chosen: int, micro_batch_size: int, packing: bool = False) -> str:
     """The layouts side by side, the fuller rank's memory and the predicted rate per GPU
-    (rows with ``packing``); ``chosen`` target ranks is this run's."""
+    (rows with ``packing``); ``chosen`` target ranks is this run's. Below them, a faster
+    split that the batch does not divide, with a batch that would."""
     lines = ["  layouts (topology.mode=auto with topology.target_ranks=auto takes the fastest that fits):"]
     unit = "rows" if packing else "samples"
     names = [layout_name(e) for e in options]
@@ -343,7 +344,33 @@ def format_options(options: list[Estimate], chosen: int, packing: bool = False) 
         verdict = "this run" if e.num_targets == chosen else "fits" if fits(e) else "does not fit"
         lines.append(f"    {name:<{width}} {rank_gib(e):6.1f} GiB per rank, {e.samples_per_s / e.world_size:6.2f} {unit}/s "
                      f"per GPU  {verdict}")
+    barred = faster_split_barred_by_batch(options)
+    if barred:
+        targets, rate, micro_batches = barred
+        drafters = options[0].world_size - targets
+        lines.append(f"    ({targets} target / {drafters} drafter would predict {rate:.2f} {unit}/s per GPU, but the batch "
+                     f"of {options[0].micro_per_step} micro-batches does not split\n     over {drafters} drafter ranks: "
+                     f"train.batch_size={micro_batches * micro_batch_size} would allow it)")
     return "\n".join(lines)
+
+
+def faster_split_barred_by_batch(options: list[Estimate]) -> tuple[int, float, int] | None:
+    """The split the batch does not divide that predicts more than every split offered:
+    (target ranks, samples/s per GPU, the fewest micro-batches per step that it divides),
+    or None. Ranks hold the same whichever the split, so it fits where the others do; a
+    tensor-parallel target is left out (its splits also depend on the group size)."""
+    first = options[0]
+    world = first.world_size
+    if world < 2 or first.tensor_parallel > 1:
+        return None
+    offered = {e.num_targets for e in options}
+    best = max((e.samples_per_s for e in options if not e.colocated), default=0.0)
+    rate, targets = max(((min(t * first.target_rate, (world - t) * first.drafter_rate), t)
+                         for t in range(1, world) if t not in offered), default=(0.0, 0))
+    if rate <= best:
+        return None
+    drafters = world - targets
+    return targets, rate / world, -(-first.micro_per_step // drafters) * drafters
 
 
 def layout_name(e: Estimate) -> str:

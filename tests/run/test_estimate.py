@@ -13,7 +13,13 @@ from dflash.data.bundle import flatten, random_batch, random_prefill
 from dflash.model.drafter import DrafterConfig
 from dflash.run.build import build_job
 from dflash.run.config import compose_config
-from dflash.run.estimate import drafter_flops, estimate
+from dflash.run.estimate import (
+    Estimate,
+    drafter_flops,
+    estimate,
+    faster_split_barred_by_batch,
+    format_options,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_8B = ["target=qwen3_8b", "train=paper", "dry_run=true", "estimate.nproc=8"]
@@ -95,3 +101,18 @@ def test_layer_types_are_checked_before_anything_loads():
         build_job(compose_config(["drafter.layer_types=[sliding_attention]"]))
     with pytest.raises(ValueError, match="drafter.sliding_window must be an integer >= 1"):
         build_job(compose_config(["drafter.num_layers=1", "drafter.layer_types=[sliding_attention]"]))
+
+
+def test_a_faster_split_the_batch_does_not_divide_is_named_with_a_batch_that_would():
+    """The paper shapes' rates on 8 ranks with 32 micro-batches per step: 3 target / 5
+    drafter ranks would beat every split offered, and 35 (or 40) micro-batches allow it."""
+    def option(targets: int) -> Estimate:
+        return Estimate(8, targets, 3, 0, 0, 0, 0, 32, {}, {}, 140.0, 0.0, 0.0, target_rate=14.7, drafter_rate=8.12,
+                        rates_from="")
+
+    offered = [option(t) for t in (0, 4, 6, 7)]
+    targets, per_gpu, micro_batches = faster_split_barred_by_batch(offered)
+    assert (targets, micro_batches) == (3, 35) and per_gpu == pytest.approx(5 * 8.12 / 8)
+    text = format_options(offered, 0, micro_batch_size=1)
+    assert "3 target / 5 drafter would predict" in text and "train.batch_size=35 would allow it" in text
+    assert faster_split_barred_by_batch([option(t) for t in (0, 3, 4)]) is None  # the best split is offered
