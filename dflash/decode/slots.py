@@ -2,10 +2,10 @@
 replayed as CUDA graphs.
 
 A target forward at decoding shapes (a few tokens per row) is launch-bound in eager HF:
-at Qwen3-8B shapes on the H200 about 50 ms of host time per forward of 32 rows, against
-3.5 ms to read the weights once (BENCHMARKS.md, "Evaluation speed"). With every shape
-fixed, the forward can be recorded once as a CUDA graph and replayed for the price of
-copying its inputs.
+at Qwen3-8B shapes on the H200 a batched greedy step took about 38 ms, against 3.5 ms to
+read the weights once (BENCHMARKS.md, "Decoding speed"). With every shape fixed, the
+forward can be recorded once as a CUDA graph and replayed for the price of copying its
+inputs.
 
 :class:`SlotCache` holds ``slots`` rows, each in its own slot of per-layer buffers
 ``[slots, heads, columns, head_dim]``. Every forward of ``q`` tokens writes columns
@@ -18,8 +18,9 @@ stays, unread); when the next forward would not fit, every row's held columns ar
 to the front (:meth:`SlotCache.compact`). A prefilled prompt joins a free slot with its
 keys written just before ``used``. Beside the keys the cache keeps each column's position
 and, for speculative decoding, the drafter's context of that position (the features the
-forward captured, projected), so the drafter reads its rows' contexts where they are. The mask is handed to the model ready-made
-(4D masks are used as given), so nothing in the forward depends on the cache's contents.
+forward captured, projected), so the drafter reads its rows' contexts where they are. The
+mask is handed to the model ready-made (4D masks are used as given), and the attention
+is :mod:`dflash.model.attention`'s, which reads the grouped keys without copying them.
 
 On CUDA each query length's forward (the block of a verification, one token of the
 greedy baseline) is recorded once per decoding with all buffers in place; a model whose
