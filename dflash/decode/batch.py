@@ -208,7 +208,7 @@ def accept_rows(drafts: torch.Tensor, draft_logits: list[torch.Tensor] | None, t
 
 
 def refill(rows: list[Row], cache: SlotCache, pending: list[int], free: list[int], prompts: Sequence[torch.Tensor],
-           start: Callable[[list[int]], list[Started]], finished_first: Callable[[Row], bool]
+           start: Callable[[list[int]], list[Started]], max_new_tokens: int, eos_ids: Collection[int]
            ) -> Generator[str, None, list[Row]]:
     """Prefill waiting prompts into the free slots, ``PREFILL_TOKENS`` padded tokens per
     forward (``start(indices)`` prefills them), pausing after each; returns the rows
@@ -219,7 +219,7 @@ def refill(rows: list[Row], cache: SlotCache, pending: list[int], free: list[int
         started = start(group)
         yield "prompt prefill"
         for s in started:
-            if finished_first(s.row):
+            if finished(s.row, s.row.tokens, max_new_tokens, eos_ids):
                 done.append(s.row)
             else:
                 s.row.slot = free.pop()
@@ -281,11 +281,8 @@ def speculative_batch_steps(
         for r in done:
             results[r.index] = (truncate(r.tokens, max_new_tokens, eos_ids), r.lengths)
 
-    def first_done(row: Row) -> bool:
-        return finished(row, row.tokens, max_new_tokens, eos_ids)
-
     while pending or rows:
-        record((yield from refill(rows, cache, pending, free, prompts, start, first_done)))
+        record((yield from refill(rows, cache, pending, free, prompts, start, max_new_tokens, eos_ids)))
         if not rows:
             continue
         hidden = draft_hidden(drafter, head, cache, rows, cfg.mask_token_id, block_size)
@@ -338,11 +335,8 @@ def greedy_batch_steps(
         for r in done:
             results[r.index] = r.tokens
 
-    def first_done(row: Row) -> bool:
-        return finished(row, row.tokens, max_new_tokens, eos_ids)
-
     while pending or rows:
-        record((yield from refill(rows, cache, pending, free, prompts, start, first_done)))
+        record((yield from refill(rows, cache, pending, free, prompts, start, max_new_tokens, eos_ids)))
         if not rows:
             continue
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)

@@ -88,6 +88,7 @@ class Recorded:
     positions: torch.Tensor  # [slots, q]
     mask: torch.Tensor  # [slots, 1, q, columns], 0 where a query may look, the dtype's minimum elsewhere
     write_at: torch.Tensor  # [q]
+    causal: torch.Tensor  # [q, q], the new columns' part of the mask
     run: Callable[[], torch.Tensor]  # the logits [slots, q, V]
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None  # the recorded run's
@@ -134,9 +135,10 @@ class SlotCache:
             positions=torch.zeros(slots, q, dtype=torch.long, device=self.device),
             mask=self.additive(torch.zeros(slots, 1, q, columns, dtype=torch.bool, device=self.device)),
             write_at=torch.arange(columns - q, columns, device=self.device),
+            causal=self.additive(torch.ones(q, q, dtype=torch.bool, device=self.device).tril()),
             run=lambda: r.input_ids,
         )
-        r.mask[..., scratch] = self.additive(torch.ones(q, q, dtype=torch.bool, device=self.device).tril())
+        r.mask[..., scratch] = r.causal
 
         def run() -> torch.Tensor:
             self.kv.write_at = r.write_at
@@ -190,11 +192,15 @@ class SlotCache:
         for q in list(self.recorded):
             self.record(q)
 
-    def store_context(self, columns: torch.Tensor, context: torch.Tensor) -> None:
-        """``context [slots, q, H]`` into ``columns [q]`` of every slot (allocated at the first)."""
+    def context_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """:attr:`context`, allocated at the first write, shaped after ``like [.., H]``."""
         if self.context is None:
-            self.context = context.new_zeros(self.slots, self.columns, context.shape[-1])
-        self.context.index_copy_(1, columns, context)
+            self.context = like.new_zeros(self.slots, self.columns, like.shape[-1])
+        return self.context
+
+    def store_context(self, columns: torch.Tensor, context: torch.Tensor) -> None:
+        """``context [slots, q, H]`` into ``columns [q]`` of every slot."""
+        self.context_buffer(context).index_copy_(1, columns, context)
 
     def join(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], context: torch.Tensor | None = None
              ) -> None:
@@ -212,9 +218,7 @@ class SlotCache:
             self.kv.values[i][slot, :, at] = values[0]
         self.positions[slot, at] = torch.arange(length, device=self.device)
         if context is not None:
-            if self.context is None:
-                self.context = context.new_zeros(self.slots, self.columns, context.shape[-1])
-            self.context[slot, at] = context[0]
+            self.context_buffer(context)[slot, at] = context[0]
         self.valid[slot] = False
         self.valid[slot, at] = True
 
@@ -235,9 +239,8 @@ class SlotCache:
         torch.add(torch.arange(q, device=self.device), self.used, out=r.write_at)
         new = slice(self.used, self.used + q)
         self.valid[:, new] = True
-        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
         r.mask.copy_(self.additive(self.valid)[:, None, None, :].expand_as(r.mask))
-        r.mask[:, 0, :, new] = self.additive(causal)
+        r.mask[:, 0, :, new] = r.causal
         self.used += q
         if r.graph is None:
             logits = r.run()

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash.objective.xent  # noqa: F401  (registers torch.ops.dflash.softmax_xent)
+from dflash.objective.selector import widened
 
 
 def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -87,7 +88,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             predictions.append(argmax)
             if top_k:  # the DFlash2 selector's candidates, from these logits rather than a second pass
                 values, ids = logits.topk(top_k, dim=-1)
-                top_values.append(values.to(torch.promote_types(values.dtype, torch.float32)))
+                top_values.append(widened(values))
                 top_ids.append(ids)
         grad_hidden, predictions = torch.cat(grads), torch.cat(predictions)
         ctx.save_for_backward(grad_hidden)
