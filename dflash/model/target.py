@@ -29,6 +29,7 @@ from transformers import (
 
 from dflash.compile import CompileSettings
 from dflash.files import local_path
+from dflash.flex import packed_causal_block_mask
 from dflash.model.drafter import TargetHead
 
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
@@ -83,6 +84,15 @@ def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size:
     return configured
 
 
+def attends_fully(model: nn.Module) -> bool:
+    """Whether every layer of the decoder attends to all earlier positions (no sliding
+    window): then one causal mask serves every layer."""
+    config = model.config.get_text_config()
+    types = getattr(config, "layer_types", None) or ["full_attention"]
+    windowed = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    return set(types) == {"full_attention"} and not windowed
+
+
 def prepared_causal_masks(model: nn.Module) -> dict[str, None] | None:
     """The masks to hand the decoder ready-made, or None where it must build its own.
 
@@ -95,8 +105,7 @@ def prepared_causal_masks(model: nn.Module) -> dict[str, None] | None:
     as ``generate`` hands them (Qwen2, Qwen3, ...), get the None mask directly:
     only under SDPA, where None means causal, and only when every layer attends
     fully (a sliding window needs a real mask)."""
-    types = getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"]
-    if getattr(model.config, "_attn_implementation", None) != "sdpa" or set(types) != {"full_attention"}:
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not attends_fully(model):
         return None
     try:
         takes_mapping = "causal_mask_mapping := attention_mask" in inspect.getsource(type(decoder(model)).forward)
@@ -135,6 +144,7 @@ class Target:
         self._capturing = False
         self._stop_after: int | None = None
         self._masks = prepared_causal_masks(model)
+        self._packed_block_masks = False
         for i in set(layer_ids):
             layers[i].register_forward_hook(self._hook(i))
 
@@ -192,9 +202,13 @@ class Target:
         batch: HF then builds a mask in which each sample attends only to itself
         (from the position ids, for every attention implementation it has), and
         RoPE counts from each sample's start. :meth:`packing_error` checks that the
-        model honours them."""
+        model honours them. Under flex attention (:meth:`attend_packed_with_flex`) the
+        block mask is handed over ready-made."""
         self._capturing = True
-        masks = self._masks if position_ids is None else None
+        if position_ids is None:
+            masks = self._masks
+        else:
+            masks = packed_causal_block_mask(position_ids) if self._packed_block_masks else None
         try:
             if topk:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False,
@@ -222,12 +236,17 @@ class Target:
 
         Under SDPA a packed row carries a dense ``[S, S]`` mask, which takes the masked
         kernel: the Qwen3-8B prefill of a 32k-token row ran at 21% MFU on the H200, against
-        76% at 8k. Flex attention skips the tiles of other samples; HF builds its block
-        mask from the position ids. Returns whether the switch was made."""
+        76% at 8k. Flex attention skips the tiles of other samples. Where every layer
+        attends fully, the block mask is built from the samples' starts per tile
+        (:func:`dflash.flex.packed_causal_block_mask`); HF builds its own from
+        the position ids by evaluating the mask at every (query, key) pair, after a check
+        that makes the host wait for the device, and that one serves sliding-window
+        layers. Returns whether the switch was made."""
         if not getattr(self.model, "_supports_flex_attn", False):
             return False
         self.model.set_attn_implementation("flex_attention")
         self._masks = None
+        self._packed_block_masks = attends_fully(self.model)
         return True
 
     def packing_error(self, lengths: tuple[int, ...] = (200, 330, 150)) -> float:

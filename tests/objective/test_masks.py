@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from dflash.flex import packed_causal_block_mask
 from dflash.objective.masks import (
     build_mask,
     dense_mask,
@@ -172,3 +173,25 @@ def test_compiled_block_order_equals_the_eager_scatter():
     compiled = torch.compile(lambda: flex_block_mask(mod, 2, q_len, kv_len, torch.device("cpu")), backend="aot_eager")()
     for name in BLOCK_FIELDS:
         torch.testing.assert_close(getattr(compiled, name), getattr(eager, name), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("lengths", [(300, 212, 500), (128, 128, 256), (1000,), (90, 40, 60, 1, 200, 9), (130, 3, 400, 37), (126, 300, 50)])
+def test_packed_causal_block_mask_equals_create_block_mask(lengths):
+    """The target's packed-row BlockMask, built from the samples' starts per block, equals
+    create_block_mask's evaluation of causal-within-sample on every (query, key) pair: each
+    tensor, and the dense mask; rows that are not whole blocks and samples shorter than a
+    block included."""
+    rows = [torch.cat([torch.arange(n) for n in lengths]), torch.cat([torch.arange(n) for n in reversed(lengths)])]
+    position_ids = torch.stack(rows)
+    total = position_ids.shape[1]
+    starts = torch.arange(total) - position_ids
+    want = create_block_mask(lambda b, h, q, kv: (kv <= q) & (starts[b, q] == starts[b, kv]), 2, None, total, total,
+                             device="cpu")
+    got = packed_causal_block_mask(position_ids)
+    assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+    for name in BLOCK_FIELDS:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+    assert torch.equal(got.to_dense(), want.to_dense())
+    dense = dense_mask(got.mask_mod, 2, total, total, torch.device("cpu"))[:, 0]
+    assert torch.equal(dense, (torch.arange(total)[None, :, None] >= torch.arange(total)[None, None, :])
+                       & (starts[:, :, None] == starts[:, None, :]))

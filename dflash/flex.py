@@ -1,0 +1,97 @@
+"""Flex attention ``BlockMask``s built without a sort, for the drafter's training mask
+(:mod:`dflash.objective.masks`) and the target's packed rows (:mod:`dflash.model.target`).
+
+``create_block_mask`` orders block indices with an argsort, which torch <= 2.12 compiles
+into a Triton sort kernel that took 154 s of the 207 s cold compile at Qwen3-8B shapes
+(BENCHMARKS.md "Where the compile time goes"); :func:`ordered_blocks` gives the same
+order from a cumulative sum.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of a block-level mask ``[..., rows, cols]``: how many columns are set, and
+    every column index with the set ones first, each group ascending: the stable
+    descending argsort flex uses, computed from each column's position in its group.
+
+    Eager, the positions are a cumulative sum and one scatter puts each column there.
+    Compiled, the cumulative sum is a product with a triangular matrix (exact in
+    float64) and the order a sum over the columns, ``order[j] = sum_c c * (slot[c] == j)``,
+    which Inductor fuses into one reduction: torch 2.11's Triton codegen failed on the
+    scan and the scatter over the transposed mask at long-context shapes (rows of 8k
+    and 32k tokens), and a sort compiles for minutes."""
+    d = dense.to(torch.int32)
+    cols = torch.arange(dense.shape[-1], device=dense.device, dtype=torch.int32)
+    if torch.compiler.is_compiling():
+        upper = (cols[:, None] <= cols[None, :]).double()
+        through = (dense.double() @ upper).to(torch.int32)  # set columns up to each column, itself included
+        count = through[..., -1]
+        slot = torch.where(dense, through - 1, count[..., None] + cols - through)
+        return count, ((slot[..., None, :] == cols[:, None]) * cols).sum(-1, dtype=torch.int32)
+    count = d.sum(-1, dtype=torch.int32)
+    slot = torch.where(dense, d.cumsum(-1) - 1, count[..., None] + (1 - d).cumsum(-1) - 1)
+    return count, torch.empty_like(d).scatter_(-1, slot.long(), cols.expand_as(d))
+
+
+def block_mask_of(partial: torch.Tensor, full: torch.Tensor, mask_mod: MaskMod, q_len: int, kv_len: int,
+                  block: int) -> BlockMask:
+    """A ``BlockMask`` from its block grid ``[b, 1, q_blocks, kv_blocks]``: the ``partial``
+    blocks (``mask_mod`` decides each entry) and the ``full`` ones; the query-side
+    indices (for the backward) are those of the transposed grid."""
+    kv_num, kv_indices = ordered_blocks(partial)
+    full_kv_num, full_kv_indices = ordered_blocks(full)
+    q_num, q_indices = ordered_blocks(partial.transpose(-2, -1))
+    full_q_num, full_q_indices = ordered_blocks(full.transpose(-2, -1))
+    return BlockMask(
+        seq_lengths=(q_len, kv_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_indices,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_indices,
+        q_num_blocks=q_num,
+        q_indices=q_indices,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_indices,
+        BLOCK_SIZE=(block, block),
+        mask_mod=mask_mod,
+    )
+
+
+def packed_causal_mask_mod(position_ids: torch.Tensor) -> MaskMod:
+    """Causal attention within each sample of packed rows: ``position_ids [b, S]`` count
+    from each sample's first token, so the query at ``q`` sees the keys from its sample's
+    start ``q - position_ids[q]`` up to itself."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx >= q_idx - position_ids[b, q_idx])
+
+    return mask_mod
+
+
+def packed_causal_block_mask(position_ids: torch.Tensor, block: int = 128) -> BlockMask:
+    """The target's ``BlockMask`` for packed rows (:func:`packed_causal_mask_mod`), built
+    from each query block's earliest and latest sample start rather than from every
+    (query, key) pair: ``O(S^2 / block^2)`` work where evaluating the mask on the full grid
+    is ``O(S^2)`` (a billion entries at 32k tokens), and nothing on the host waits for the
+    device. A key block is partial where the query block's earliest start reaches it and
+    full where it lies wholly before the query block and after its latest start."""
+    batch, length = position_ids.shape
+    blocks = -(-length // block)
+    index = torch.arange(blocks * block, device=position_ids.device)
+    padded = torch.nn.functional.pad(position_ids, (0, blocks * block - length), value=0)
+    starts = (index - padded).view(batch, blocks, block)  # a padding row's start is itself: it moves neither bound
+    first = starts.amin(-1)[:, None, :, None]
+    last = starts.amax(-1)[:, None, :, None]
+    i = torch.arange(blocks, device=position_ids.device)
+    q_block, kv_block = i[:, None], i[None, :]
+    seen = (kv_block <= q_block) & (first <= (kv_block + 1) * block - 1)
+    full = (kv_block < q_block) & (last <= kv_block * block)
+    return block_mask_of(seen & ~full, full, packed_causal_mask_mod(position_ids), length, length, block)
