@@ -5,7 +5,7 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash.model.drafter import DFlashDrafter, DrafterConfig, TargetHead
+from dflash.model.drafter import ContextKV, DFlashDrafter, DrafterConfig, TargetHead
 
 
 def tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 96, seed: int = 0) -> Qwen3ForCausalLM:
@@ -216,7 +216,12 @@ class PromptScriptDrafter(nn.Module):
     def context(self, features: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return features  # recognised as they are: no projection
 
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> ContextKV:
+        return ContextKV([(context[:, None], context[:, None])])  # the features, as one key/value head
+
     def forward(self, ctx_features, block_embeds, ctx_positions, block_positions, mask=None, projected=False):
+        if isinstance(ctx_features, ContextKV):
+            ctx_features = ctx_features.flat()[0]
         width = ctx_features.shape[1]
         rows = []
         for b, (features, positions) in enumerate(zip(ctx_features, block_positions)):

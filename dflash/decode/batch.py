@@ -20,10 +20,13 @@ batching). A target whose cache
 holds layers that cannot give a position back (sliding windows, linear attention:
 :func:`dflash.decode.speculative.croppable`) is decoded one prompt at a time.
 
-The drafter runs over each row's whole context every cycle, as in the batch-1 loop; the
-rows' contexts are padded to the longest and the padding masked, except for a DFlash2
-drafter run at another block size than its own (its convolutions then need the block
-length that only an unmasked forward gives), which drafts row by row.
+The drafter reads each row's whole context every cycle, as in the batch-1 loop, as keys
+and values that the cache keeps per position (:func:`drafter_columns`: computed once, in
+the forward that reaches the position, where the batch-1 loop projects the whole context
+again at every block); the rows' contexts are padded to the longest and the padding
+masked, except for a DFlash2 drafter run at another block size than its own (its
+convolutions then need the block length that only an unmasked forward gives), which
+drafts row by row.
 """
 
 from __future__ import annotations
@@ -45,10 +48,16 @@ from dflash.decode.speculative import (
     greedy_steps,
     speculative_steps,
     truncate,
-    window,
     with_cache,
 )
-from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, TargetHead, window_mask
+from dflash.model.drafter import (
+    FULL,
+    SLIDING,
+    ContextKV,
+    DFlashDrafter,
+    TargetHead,
+    window_mask,
+)
 
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward: about 0.2 s at Qwen3-8B shapes on an H200
 
@@ -101,6 +110,18 @@ def drafter_masks(drafter: DFlashDrafter, valid: torch.Tensor, ctx_positions: to
             SLIDING: seen & window_mask(ctx_positions, block_positions, cfg.sliding_window, cfg.sliding_causal)}
 
 
+def drafter_columns(drafter: DFlashDrafter, hidden_states: tuple[torch.Tensor, ...], positions: torch.Tensor
+                    ) -> list[torch.Tensor]:
+    """What the cache keeps for the drafter of a target forward's positions ``[b, S]``: every
+    drafter layer's context keys and values, one row per position (:meth:`ContextKV.flat`)."""
+    return drafter.context_kv(drafter_context(drafter, hidden_states), positions).flat()
+
+
+def cached_context(drafter: DFlashDrafter, columns: list[torch.Tensor]) -> ContextKV:
+    """The drafter's context from the cache's columns ``[b, S, F]`` (:func:`drafter_columns`)."""
+    return ContextKV.of_flat(columns, drafter.config.num_key_value_heads)
+
+
 def draft_hidden(drafter: DFlashDrafter, head: TargetHead, cache: SlotCache, rows: list[Row], mask_token_id: int,
                  block_size: int) -> torch.Tensor:
     """The drafter's hidden states ``[b, B, H]`` of every row's block ``[last, MASK...]``:
@@ -112,21 +133,22 @@ def draft_hidden(drafter: DFlashDrafter, head: TargetHead, cache: SlotCache, row
         hidden = []
         for r in rows:
             held = cache.valid[r.slot].nonzero()[:, 0]
-            context, first = window(cache.context[r.slot, held][None], 0, drafter.config.context_window)
+            drop = max(0, len(held) - (drafter.config.context_window or len(held)))
+            context = cached_context(drafter, [t[r.slot, held[drop:]][None] for t in cache.drafter_kv])
             block = torch.full((1, block_size), mask_token_id, dtype=torch.long, device=device)
             block[0, 0] = r.tokens[-1]
-            hidden.append(drafter(context, head.embed(block), torch.arange(first, r.p, device=device)[None],
-                                  (r.p + offsets)[None], projected=True))
+            hidden.append(drafter(context, head.embed(block), torch.arange(drop, r.p, device=device)[None],
+                                  (r.p + offsets)[None]))
         return torch.cat(hidden)
     index = torch.tensor([r.slot for r in rows], device=device)
     columns = slice(0, cache.used)  # no row holds a column beyond
-    context, valid = cache.context[index, columns], cache.valid[index, columns]
-    ctx_positions = cache.positions[index, columns]
+    context = cached_context(drafter, [t[index, columns] for t in cache.drafter_kv])
+    valid, ctx_positions = cache.valid[index, columns], cache.positions[index, columns]
     block = torch.full((len(rows), block_size), mask_token_id, dtype=torch.long, device=device)
     block[:, 0] = torch.tensor([r.tokens[-1] for r in rows], device=device)
     block_positions = torch.tensor([r.p for r in rows], device=device)[:, None] + offsets
     masks = drafter_masks(drafter, valid, ctx_positions, block_positions)
-    return drafter(context, head.embed(block), ctx_positions, block_positions, masks, projected=True)
+    return drafter(context, head.embed(block), ctx_positions, block_positions, masks)
 
 
 def single(target_model: nn.Module) -> bool:
@@ -138,11 +160,12 @@ def single(target_model: nn.Module) -> bool:
 @dataclass
 class Started:
     """A prefilled prompt: its row (holding the first token), its keys and values per layer
-    ``[1, h, S, d]`` and, for a drafter, its projected context ``[1, S, H]``."""
+    ``[1, h, S, d]`` and, for a drafter, what the cache keeps of its context
+    (:func:`drafter_columns`, each ``[1, S, F]``)."""
 
     row: Row
     layers: list[tuple[torch.Tensor, torch.Tensor]]
-    context: torch.Tensor | None
+    context: list[torch.Tensor] | None
 
 
 def prefill(target_model: nn.Module, drafter: DFlashDrafter | None, indices: list[int],
@@ -159,13 +182,14 @@ def prefill(target_model: nn.Module, drafter: DFlashDrafter | None, indices: lis
     cache = DynamicCache(config=target_model.config)
     out = with_cache(target_model, cache, input_ids=ids, output_hidden_states=drafter is not None,
                      logits_to_keep=torch.tensor(ends, device=ids.device))
-    context = None if drafter is None else drafter_context(drafter, out.hidden_states)
+    positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    context = None if drafter is None else drafter_columns(drafter, out.hidden_states, positions)
     started = []
     for r, (i, n) in enumerate(zip(indices, lengths)):
         row = Row(i, sample(out.logits[r, ends.index(n - 1)][None], temperature, generators[i]).tolist(), n,
                   generators[i])
         layers = [(layer.keys[r : r + 1, :, :n], layer.values[r : r + 1, :, :n]) for layer in cache.layers]
-        started.append(Started(row, layers, None if context is None else context[r : r + 1, :n]))
+        started.append(Started(row, layers, None if context is None else [t[r : r + 1, :n] for t in context]))
     return started
 
 
@@ -271,7 +295,7 @@ def speculative_batch_steps(
     results: list = [None] * len(prompts)
     slots = min(batch_size, len(prompts))
     cache = slot_cache(target_model, prompts, block_size, slots,
-                       lambda hidden_states: drafter_context(drafter, hidden_states))
+                       lambda hidden_states, positions: drafter_columns(drafter, hidden_states, positions))
     rows, pending, free = [], list(range(len(prompts)))[::-1], list(range(slots))[::-1]
 
     def start(indices: list[int]) -> list[Started]:

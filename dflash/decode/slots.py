@@ -17,8 +17,9 @@ matter, only that it is held. A rejected draft's column is let go in the mask (i
 stays, unread); when the next forward would not fit, every row's held columns are moved
 to the front (:meth:`SlotCache.compact`). A prefilled prompt joins a free slot with its
 keys written just before ``used``. Beside the keys the cache keeps each column's position
-and, for speculative decoding, the drafter's context of that position (the features the
-forward captured, projected), so the drafter reads its rows' contexts where they are. The
+and, for speculative decoding, the drafter's context of that position (every drafter
+layer's keys and values of the features the forward captured), so the drafter reads its
+rows' contexts where they are. The
 mask is handed to the model ready-made (4D masks are used as given), and the attention
 is :mod:`dflash.model.attention`'s, which reads the grouped keys without copying them.
 
@@ -43,8 +44,9 @@ from dflash.model.attention import GROUPED, attention_implementation
 
 log = logging.getLogger(__name__)
 
-# what a forward keeps for the drafter, from its hidden states (output_hidden_states): [slots, q, H]
-Features = Callable[[tuple[torch.Tensor, ...]], torch.Tensor]
+# what a forward keeps for the drafter, from its hidden states (output_hidden_states) and
+# positions [slots, q]: tensors [slots, q, F]
+Features = Callable[[tuple[torch.Tensor, ...], torch.Tensor], list[torch.Tensor]]
 
 SLACK_FORWARDS = 16  # free columns kept beyond the longest row, in forwards
 
@@ -105,7 +107,7 @@ class SlotCache:
         self.dtype = model.get_output_embeddings().weight.dtype
         self.valid = torch.zeros(slots, columns, dtype=torch.bool, device=self.device)
         self.positions = torch.zeros(slots, columns, dtype=torch.long, device=self.device)  # each column's position
-        self.context: torch.Tensor | None = None  # [slots, columns, H]: what ``features`` made of each column
+        self.drafter_kv: list[torch.Tensor] = []  # [slots, columns, F] each: what ``features`` made of each column
         self.used = 0
         self.recorded: dict[int, Recorded] = {}
 
@@ -147,7 +149,7 @@ class SlotCache:
                                  attention_mask=r.mask, output_hidden_states=self.features is not None)
             self.positions.index_copy_(1, r.write_at, r.positions)
             if self.features is not None:
-                self.store_context(r.write_at, self.features(out.hidden_states))
+                self.store_context(r.write_at, self.features(out.hidden_states, r.positions))
             return out.logits
 
         r.run = run
@@ -187,26 +189,28 @@ class SlotCache:
             return out
 
         self.valid, self.positions = grown(self.valid), grown(self.positions)
-        self.context = None if self.context is None else grown(self.context)
+        self.drafter_kv = [grown(t) for t in self.drafter_kv]
         self.kv.columns = columns
         for q in list(self.recorded):
             self.record(q)
 
-    def context_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """:attr:`context`, allocated at the first write, shaped after ``like [.., H]``."""
-        if self.context is None:
-            self.context = like.new_zeros(self.slots, self.columns, like.shape[-1])
-        return self.context
+    def context_buffers(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """:attr:`drafter_kv`, allocated at the first write, shaped after ``like [.., F]``."""
+        if not self.drafter_kv:
+            self.drafter_kv = [t.new_zeros(self.slots, self.columns, t.shape[-1]) for t in like]
+        return self.drafter_kv
 
-    def store_context(self, columns: torch.Tensor, context: torch.Tensor) -> None:
-        """``context [slots, q, H]`` into ``columns [q]`` of every slot."""
-        self.context_buffer(context).index_copy_(1, columns, context)
+    def store_context(self, columns: torch.Tensor, context: list[torch.Tensor]) -> None:
+        """``context``, tensors ``[slots, q, F]``, into ``columns [q]`` of every slot."""
+        for buffer, t in zip(self.context_buffers(context), context):
+            buffer.index_copy_(1, columns, t)
 
-    def join(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]], context: torch.Tensor | None = None
-             ) -> None:
+    def join(self, slot: int, layers: list[tuple[torch.Tensor, torch.Tensor]],
+             context: list[torch.Tensor] | None = None) -> None:
         """Put a prefilled row into the free ``slot``: its keys and values per layer
-        ``[1, h, S, d]`` and its drafter context ``[1, S, H]``, at positions ``0..S-1``, in
-        the columns just before ``used`` (``used`` moves up if the row is longer)."""
+        ``[1, h, S, d]`` and its drafter context (tensors ``[1, S, F]``), at positions
+        ``0..S-1``, in the columns just before ``used`` (``used`` moves up if the row is
+        longer)."""
         length = layers[0][0].shape[2]
         self.make_room(max(self.used, length) - self.used)
         self.used = max(self.used, length)
@@ -218,7 +222,8 @@ class SlotCache:
             self.kv.values[i][slot, :, at] = values[0]
         self.positions[slot, at] = torch.arange(length, device=self.device)
         if context is not None:
-            self.context_buffer(context)[slot, at] = context[0]
+            for buffer, t in zip(self.context_buffers(context), context):
+                buffer[slot, at] = t[0]
         self.valid[slot] = False
         self.valid[slot, at] = True
 
@@ -228,7 +233,7 @@ class SlotCache:
     def forward(self, slots: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The target over ``input_ids [b, q]`` at ``positions`` for the rows in ``slots [b]``:
         their logits ``[b, q, V]``; what ``features`` makes of the hidden states goes to
-        :attr:`context`. The ``q`` new columns count as held until :meth:`keep`."""
+        :attr:`drafter_kv`. The ``q`` new columns count as held until :meth:`keep`."""
         q = input_ids.shape[1]
         self.make_room(q)
         r = self.recorded[q]
@@ -280,8 +285,8 @@ class SlotCache:
             for t in buffers:
                 t[:, :, :width] = t.gather(2, order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
         self.positions[:, :width] = self.positions.gather(1, order)
-        if self.context is not None:
-            self.context[:, :width] = self.context.gather(1, order[..., None].expand(-1, -1, self.context.shape[-1]))
+        for t in self.drafter_kv:
+            t[:, :width] = t.gather(1, order[..., None].expand(-1, -1, t.shape[-1]))
         self.valid = torch.arange(self.columns, device=self.device)[None] < held[:, None]
         self.used = width
 

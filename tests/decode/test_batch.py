@@ -144,9 +144,14 @@ def test_caches_that_cannot_be_cut_per_row_decode_one_prompt_at_a_time(name, alo
 def test_a_slot_cache_compacts_to_each_rows_columns(target64):
     """After rejections, compaction and growth each row's next-token logits equal those
     of a cache of its own accepted tokens only, a free slot beside them, and its held
-    columns carry its positions in order and its own context."""
+    columns carry its positions in order and its own context (kept with the positions the
+    forward that made it was given)."""
     ids = prompts(2, seed=6)
-    cache = SlotCache(target64, slots=3, columns=20, features=lambda hidden_states: hidden_states[-1], slack=4)
+
+    def features(hidden_states, positions):
+        return [hidden_states[-1], positions[..., None].to(hidden_states[-1].dtype)]
+
+    cache = SlotCache(target64, slots=3, columns=20, features=features, slack=4)
     cache.record(B)
     cache.record(1)
     slots = torch.tensor([2, 0])
@@ -154,7 +159,8 @@ def test_a_slot_cache_compacts_to_each_rows_columns(target64):
         for slot, p in zip(slots.tolist(), ids):
             row = DynamicCache(config=target64.config)
             out = with_cache(target64, row, input_ids=p, output_hidden_states=True)
-            cache.join(slot, [(layer.keys, layer.values) for layer in row.layers], out.hidden_states[-1])
+            cache.join(slot, [(layer.keys, layer.values) for layer in row.layers],
+                       features(out.hidden_states, torch.arange(p.shape[1])[None]))
         blocks = torch.randint(0, VOCAB - 1, (6, 2, B), generator=torch.Generator().manual_seed(0))
         kept, length = [[], []], [p.shape[1] for p in ids]
         for block, keep in zip(blocks, ([1, 4], [4, 1]) * 3):
@@ -173,8 +179,9 @@ def test_a_slot_cache_compacts_to_each_rows_columns(target64):
             torch.testing.assert_close(logits[r], alone.logits[0, -1], rtol=1e-9, atol=1e-9)
             held = cache.valid[slots[r]]  # the next token's column counts as held until keep()
             assert cache.positions[slots[r], held].tolist() == list(range(sequence.shape[1]))
-            torch.testing.assert_close(cache.context[slots[r], held][-1], alone.hidden_states[-1][0, -1],
-                                       rtol=1e-9, atol=1e-9)
+            context, at = (t[slots[r], held] for t in cache.drafter_kv)
+            torch.testing.assert_close(context[-1], alone.hidden_states[-1][0, -1], rtol=1e-9, atol=1e-9)
+            assert at[:, 0].tolist() == list(range(sequence.shape[1]))
 
 
 def test_prompts_are_prefilled_together_within_the_token_budget():

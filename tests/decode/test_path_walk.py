@@ -116,7 +116,7 @@ def test_a_dflash_drafter_drafts_as_before():
     drafter, head = tiny_drafter(vocab=VOCAB, block_size=B).eval(), TargetHead.of(varied_target(vocab=VOCAB))
     hidden = torch.randn(3, 64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        logits = head.logits(hidden).float()
+        logits = drafter.draft_logits(head, hidden)
         drafts, got = propose(drafter, head, hidden, 5, 1.0, torch.Generator().manual_seed(4))
     assert torch.equal(got, logits)
     assert torch.equal(drafts, torch.multinomial(torch.softmax(logits, -1), 1, generator=torch.Generator().manual_seed(4))[:, 0])
