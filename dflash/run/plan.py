@@ -81,7 +81,7 @@ class Plan:
     def objective(self) -> ObjectiveConfig:
         return ObjectiveConfig(
             block_size=self.block_size, mask_token_id=self.mask_token_id, gamma=self.gamma,
-            ce_weight=self.ce_weight, kl_weight=self.kl_weight, chunk_size=self.chunk_size,
+            ce_weight=self.ce_weight, kl_weight=self.kl_weight, chunk_size=self.chunk_size, packed=self.packing,
             selector_alpha=self.selector_alpha, selector_warmup=self.selector_warmup, selector_ramp=self.selector_ramp,
             selector_stop_gradient=self.selector_stop_gradient,
         )

@@ -32,8 +32,13 @@ pytestmark = pytest.mark.gpu
 SLIDING_LAYER = {"layer_types": [SLIDING, FULL], "sliding_window": 40}
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["one-sample", "packed"])
 @pytest.mark.parametrize("attention", [{}, SLIDING_LAYER], ids=["full", "sliding"])
-def test_drafter_flex_equals_dense_forward_and_backward(attention):
+def test_drafter_flex_equals_dense_forward_and_backward(attention, packed):
+    """The compiled flex kernels against SDPA with the dense mask, gradients included: a
+    mask that captures more tensors (a packed row's sample starts) must not change the
+    backward (torch's compiled flex backward has gone wrong on custom masks before:
+    pytorch/pytorch#158212)."""
     torch.manual_seed(0)
     bs, seq_len, n = 16, 256, 12
     drafter = tiny_drafter(hidden=128, layer_ids=(1, 2, 3), block_size=bs, **attention).cuda()
@@ -48,11 +53,12 @@ def test_drafter_flex_equals_dense_forward_and_backward(attention):
     embeds = torch.randn(2, n * bs, 128, device="cuda")
     ctx_pos = torch.arange(seq_len, device="cuda").expand(2, -1)
     outs, grads = [], []
+    starts = (anchors // 100) * 100 if packed else None  # samples of 100 tokens side by side
     for flex in (True, False):
         drafter.zero_grad()
-        mask = build_mask(anchors, seq_len, bs, use_flex=flex)
+        mask = build_mask(anchors, seq_len, bs, use_flex=flex, starts=starts)
         if attention:
-            mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, bs, use_flex=flex, window=40)}
+            mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, bs, use_flex=flex, window=40, starts=starts)}
         with torch.autocast("cuda", dtype=torch.bfloat16):
             out = drafter(feats, embeds, ctx_pos, blocks.positions, mask)
         out.float().square().mean().backward()
@@ -63,10 +69,10 @@ def test_drafter_flex_equals_dense_forward_and_backward(attention):
     assert cos > 0.999
 
 
-def _trainer(drafter, settings):
+def _trainer(drafter, settings, packed: bool = False):
     opt = build_optimizer(drafter, 1e-3, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
-    obj = ObjectiveConfig(block_size=16, mask_token_id=95, gamma=7.0, kl_weight=0.3, chunk_size=256)
+    obj = ObjectiveConfig(block_size=16, mask_token_id=95, gamma=7.0, kl_weight=0.3, chunk_size=256, packed=packed)
     head = tiny_head(hidden=256).cuda()
     return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, torch.bfloat16, settings)
 
@@ -149,12 +155,13 @@ def packed_micro_batches(count: int, seq_len: int = 256, seed: int = 0):
 
 
 def test_a_packed_sliding_step_replays_one_cuda_graph():
-    """Packed rows with a sliding layer under reduce-overhead: the losses of eager steps,
-    and after warmup no recompile and no CUDA-graph skip however the boundaries move."""
+    """Packed rows with a sliding layer under reduce-overhead: the losses and gradient
+    norms of eager steps, and after warmup no recompile and no CUDA-graph skip however the
+    boundaries move."""
     torch._dynamo.reset()
     base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16, **SLIDING_LAYER).cuda()
     settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
-    eager, graphed = _trainer(copy.deepcopy(base), None), _trainer(copy.deepcopy(base), settings)
+    eager, graphed = _trainer(copy.deepcopy(base), None, True), _trainer(copy.deepcopy(base), settings, True)
     data = packed_micro_batches(9)
     for trainer in (eager, graphed):
         trainer.warmup([data[0]])
@@ -167,6 +174,7 @@ def test_a_packed_sliding_step_replays_one_cuda_graph():
                 trainer.micro_step(*data[1 + 2 * step + micro])
             results.append(trainer.finish())
         assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=2e-2)
+        assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=5e-2)
         assert guard.check(f"step {step}") == {"recompiles": 0, "cudagraph_skips": 0}
 
 

@@ -84,7 +84,7 @@ def test_a_packed_row_trains_as_its_samples_one_by_one(attention):
     before each sample's end included."""
     (packed, features), alone = packed_and_alone(num_anchors=60)
     base = tiny_drafter(block_size=BS, **attention)
-    one = make_trainer(copy.deepcopy(base))
+    one = make_trainer(copy.deepcopy(base), packed=True)
     one.micro_step(packed, features)
     each = make_trainer(copy.deepcopy(base))
     for batch, prefill in alone:

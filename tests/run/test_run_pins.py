@@ -49,6 +49,14 @@ def test_configured_gamma_reaches_the_plan_and_the_trainer():
     assert unset.plan.gamma == 4.0
 
 
+def test_packing_reaches_the_trainers_mask():
+    """``train.packing`` tells the objective that rows hold several samples (each anchor's
+    context then stops at its sample's start); without it the mask takes no sample starts."""
+    packed = build_job(compose_config(TINY + RANDOM_TARGET + ["train.packing=true", "train.buckets=null"]))
+    assert packed.plan.objective().packed
+    assert not build_job(compose_config(TINY + RANDOM_TARGET)).plan.objective().packed
+
+
 # the LR schedule -------------------------------------------------------------------------
 
 

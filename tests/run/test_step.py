@@ -45,11 +45,11 @@ def split(mb: MicroBatch, pf: PrefillOutput, sl: slice):
     )
 
 
-def make_trainer(drafter, sgd: bool = False, autocast: torch.dtype | None = None):
+def make_trainer(drafter, sgd: bool = False, autocast: torch.dtype | None = None, packed: bool = False):
     """SGD makes the update the normalised gradient itself; AdamW's first step would hide its scale."""
     opt = torch.optim.SGD(drafter.parameters(), lr=1.0) if sgd else build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
-    obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0)
+    obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0, packed=packed)
     return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1e9, autocast_dtype=autocast)
 
 
