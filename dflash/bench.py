@@ -536,8 +536,8 @@ def parse_decode(spec: str) -> list[tuple[int, int]]:
 
 
 def timed_decode(steps, device: torch.device) -> tuple[object, float]:
-    """Run a sliced decoding to its end under the decoding attention kernels: its result
-    and wall seconds."""
+    """Run a sliced decoding to its end, the device synchronised before and after: its
+    result and wall seconds."""
     synchronize(device)
     start = time.perf_counter()
     result = run_to_end(steps)

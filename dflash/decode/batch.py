@@ -62,15 +62,6 @@ from dflash.model.drafter import (
 PREFILL_TOKENS = 8192  # padded prompt tokens per prefill forward: about 0.2 s at Qwen3-8B shapes on an H200
 
 
-def pad_columns(t: torch.Tensor, width: int, value: float | bool = 0) -> torch.Tensor:
-    """``t`` with its dimension -2 (a cache's columns; a mask's rows are [b, C] so the
-    caller passes ``t[..., None]``) padded at the end to ``width``."""
-    extra = width - t.shape[-2]
-    if extra <= 0:
-        return t
-    return torch.cat([t, t.new_full((*t.shape[:-2], extra, t.shape[-1]), value)], dim=-2)
-
-
 @dataclass
 class Row:
     """One prompt being decoded: its tokens so far, the position ``p`` of the newest one
