@@ -25,40 +25,25 @@ from transformers import AttentionInterface
 GROUPED = "dflash_grouped"
 
 
-def attention_weights(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Softmax weights of ``scores [b, kv, g, n, s]`` under ``mask [b or 1, 1, n, s]``:
-    scaled, masked and normalised in float32 (or wider), returned in the scores' dtype.
-    Under a boolean mask (True attends) a query that may see no key gets zeros, as SDPA
-    gives it; an additive mask holds finite values, so no row is empty."""
-    wide = torch.promote_types(scores.dtype, torch.float32)
-    wide_scores = scores.to(wide) * scale
-    if mask.dtype == torch.bool:  # -inf everywhere in a row gives NaN there: zeros, as SDPA
-        probs = wide_scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1).nan_to_num(0.0)
-    else:
-        probs = (wide_scores + mask[:, :, None].to(wide)).softmax(-1)
-    return probs.to(scores.dtype)
-
-
-# On CUDA the weights are one fused kernel: read the scores once, write the weights once.
-# Eagerly each step above is a pass over a float32 copy of the scores; at verification
-# shapes (Qwen3-8B, 32 rows of 16 tokens over about 2k columns) those passes were about
-# 1.2 GB of memory traffic per layer, more than reading the layer's keys and values.
-fused_attention_weights = torch.compile(attention_weights, fullgraph=True)
-
-
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                       scale: float | None = None) -> torch.Tensor:
     """Attention of ``q [b, h, n, d]`` over ``k [b, kv, s, d]``, ``v [b, kv, s, dv]``
     (``h`` a multiple of ``kv``; query head ``i`` reads key/value head ``i // (h / kv)``,
-    HF's and SDPA's grouping) under ``mask [b or 1, 1, n, s]``, boolean (True attends) or
-    additive (finite), with :func:`attention_weights`. Returns ``[b, h, n, dv]``."""
+    HF's and SDPA's grouping) under ``mask [b or 1, 1, n, s]``: boolean (True attends) or
+    additive (finite). Scores and softmax in float32 (or wider); under a boolean mask a query
+    that may see no key gets zeros, as SDPA gives it. Returns ``[b, h, n, dv]``."""
     b, h, n, d = q.shape
     kv, s = k.shape[1], k.shape[2]
     g = h // kv
     scale = d**-0.5 if scale is None else scale
-    scores = torch.matmul(q.reshape(b, kv, g * n, d), k.transpose(-1, -2)).view(b, kv, g, n, s)
-    weights = (fused_attention_weights if scores.is_cuda else attention_weights)(scores, mask, scale)
-    return torch.matmul(weights.to(v.dtype).view(b, kv, g * n, s), v).view(b, h, n, v.shape[-1])
+    wide = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.matmul(q.reshape(b, kv, g * n, d), k.transpose(-1, -2)).to(wide).view(b, kv, g, n, s) * scale
+    if mask.dtype == torch.bool:  # -inf everywhere in a row gives NaN there: zeros, as SDPA
+        probs = scores.masked_fill(~mask[:, :, None], float("-inf")).softmax(-1).nan_to_num(0.0)
+    else:  # an additive mask holds finite values: no row is empty
+        probs = (scores + mask[:, :, None].to(wide)).softmax(-1)
+    probs = probs.to(v.dtype).view(b, kv, g * n, s)
+    return torch.matmul(probs, v).view(b, h, n, v.shape[-1])
 
 
 def hf_grouped_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
