@@ -66,8 +66,11 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
     return mask_mod(b, torch.zeros_like(b), q, kv)
 
 
+BLOCK = 128  # flex attention's tile, in queries and keys
+
+
 def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device,
-                    block: int = 128) -> BlockMask:
+                    block: int = BLOCK) -> BlockMask:
     """The ``BlockMask`` that ``create_block_mask(mask_mod, batch, None, q_len, kv_len)``
     gives: ``mask_mod`` evaluated on the grid padded to whole blocks with False, blocks
     that are all set are full, blocks partly set are partial."""
@@ -80,6 +83,30 @@ def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, devi
     grid = grid.view(batch, 1, q_blocks, block, kv_blocks, block)
     full = grid.all(5).all(3)
     return block_mask_of(grid.any(5).any(3) & ~full, full, mask_mod, q_len, kv_len, block)
+
+
+MaskParts = tuple[torch.Tensor, ...]
+BLOCK_INDICES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def mask_parts(mask: BlockMask | torch.Tensor) -> MaskParts:
+    """A mask as the plain tensors that enter the compiled step: the dense mask, or a
+    ``BlockMask``'s block indices (:func:`mask_of_parts` puts it back together)."""
+    if isinstance(mask, BlockMask):
+        return tuple(getattr(mask, name) for name in BLOCK_INDICES)
+    return (mask,)
+
+
+def mask_of_parts(parts: MaskParts, anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
+                  starts: torch.Tensor | None = None, causal: bool = True) -> BlockMask | torch.Tensor:
+    """The mask :func:`build_mask` gives for these arguments, from its :func:`mask_parts`:
+    the block indices come in, the ``mask_mod`` is made here."""
+    if len(parts) == 1:
+        return parts[0]
+    q_len = anchors.shape[1] * block_size
+    return BlockMask(seq_lengths=(q_len, ctx_len + q_len), **dict(zip(BLOCK_INDICES, parts)),
+                     BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=dflash_mask_mod(anchors, ctx_len, block_size, window, starts, causal))
 
 
 def build_mask(

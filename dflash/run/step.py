@@ -23,9 +23,9 @@ from dflash.data.bundle import MicroBatch
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, TargetHead, drafted
 from dflash.model.linear import Linear
 from dflash.model.target import PrefillOutput
-from dflash.objective.anchors import make_blocks
+from dflash.objective.anchors import make_blocks, sample_starts
 from dflash.objective.loss import head_loss, slot_accuracy, teacher_at
-from dflash.objective.masks import build_mask
+from dflash.objective.masks import MaskParts, build_mask, mask_of_parts, mask_parts
 from dflash.objective.selector import predecessors, selector_loss, selector_weight
 from dflash.run.checkpoint import load_checkpoint
 
@@ -154,6 +154,8 @@ class DrafterTrainer:
         self.compiled = compile_settings is not None and compile_settings.drafter
         self.cuda_graphs = self.compiled and compile_settings.cuda_graphs
         self.forward_loss = compile_settings.compile(self._forward_loss) if self.compiled else self._forward_loss
+        # A graph of its own, not the step's: see _mask_parts
+        self.mask_parts = compile_settings.compile(self._mask_parts, mode="default") if self.compiled else self._mask_parts
         self.stats = self._fresh_stats()
         self.selector = drafter.config.dflash2 is not None
         # a device tensor, read by the compiled step: a new weight each step recompiles nothing
@@ -187,6 +189,24 @@ class DrafterTrainer:
         return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone(), scalar.clone(), scalar.clone(),
                          scalar.clone())
 
+    def _mask_parts(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> dict[str, MaskParts]:
+        """The micro-batch's attention masks (a sliding layer's too) as plain tensors.
+
+        They are built outside the step's compiled graph and enter it as inputs: built
+        inside it, torch 2.11's compiled flex backward gave wrong gradients on the H200
+        (fp32, against dense attention: 2-300x off in the query and key projections, with
+        the forward right), while the same BlockMask passed in gave the eager flex
+        backward's. On CUDA this is a small compiled graph of its own: evaluated eagerly,
+        the mask's full grid would not fit at long context."""
+        obj, seq_len = self.obj, position_ids.shape[1]
+        # One sample per row: no sample starts (each would be 0), one captured tensor fewer
+        starts = sample_starts(anchors, position_ids) if obj.packed else None
+        parts = {FULL: mask_parts(build_mask(anchors, seq_len, obj.block_size, self.use_flex, starts=starts))}
+        if self.sliding_window is not None:  # sliding layers take a second, windowed mask
+            parts[SLIDING] = mask_parts(build_mask(anchors, seq_len, obj.block_size, self.use_flex,
+                                                   self.sliding_window, starts, self.sliding_causal))
+        return parts
+
     def _forward_loss(
         self,
         features: torch.Tensor,
@@ -199,22 +219,21 @@ class DrafterTrainer:
         topk_values: torch.Tensor | None,
         topk_indices: torch.Tensor | None,
         selector_alpha: torch.Tensor,
+        masks: dict[str, MaskParts],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Blocks, mask, drafter and loss of one micro-batch: the compiled region.
-        Returns (weighted loss sum, weight sum, per-slot correct, per-slot counted);
-        a DFlash2 drafter's loss sum includes its selector term at ``selector_alpha``."""
+        """Blocks, drafter and loss of one micro-batch over its :meth:`_mask_parts`: the
+        compiled region. Returns (weighted loss sum, weight sum, per-slot correct,
+        per-slot counted); a DFlash2 drafter's loss sum includes its selector term at
+        ``selector_alpha``."""
         obj = self.obj
         blocks = make_blocks(input_ids, loss_mask, lengths, anchors, keep, obj.block_size, obj.mask_token_id, obj.gamma,
                              position_ids)
         seq_len = input_ids.shape[1]
-        # One sample per row: no sample starts in the mask (each would be 0). The mask
-        # without them is the one held to dense SDPA, gradients included, on the H200; with
-        # them, the graphed step's gradient norm strayed 5% from the eager step's there.
         starts = blocks.starts if obj.packed else None
-        mask = build_mask(anchors, seq_len, obj.block_size, self.use_flex, starts=starts)
-        if self.sliding_window is not None:  # sliding layers take a second, windowed mask
-            mask = {FULL: mask, SLIDING: build_mask(anchors, seq_len, obj.block_size, self.use_flex,
-                                                    self.sliding_window, starts, self.sliding_causal)}
+        mask = mask_of_parts(masks[FULL], anchors, seq_len, obj.block_size, starts=starts)
+        if self.sliding_window is not None:
+            mask = {FULL: mask, SLIDING: mask_of_parts(masks[SLIDING], anchors, seq_len, obj.block_size,
+                                                       self.sliding_window, starts, self.sliding_causal)}
         ctx_positions = position_ids
         labels, weights = drafted(blocks.labels, obj.block_size), drafted(blocks.weights, obj.block_size)
         teacher_idx = teacher_logits = None
@@ -249,10 +268,11 @@ class DrafterTrainer:
     def _forward_backward(self, batch: MicroBatch, prefill: PrefillOutput) -> None:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+        masks = self.mask_parts(batch.anchors, batch.position_ids)
         with self.autocast:  # outside the compiled code: inside, it keeps the graph out of the AOT cache
             loss_sum, weight_sum, correct, counted = self.forward_loss(
                 prefill.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.lengths, batch.anchors,
-                batch.keep, prefill.topk_values, prefill.topk_indices, self.selector_alpha,
+                batch.keep, prefill.topk_values, prefill.topk_indices, self.selector_alpha, masks,
             )
         s = self.stats  # graph outputs: copied out before anything else runs
         s.loss_sum += loss_sum.detach()

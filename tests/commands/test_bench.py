@@ -44,7 +44,7 @@ def test_bench_reports_every_role(tmp_path):
     assert rows[("drafter", "compile")]["compile_s"] and not rows[("drafter", "eager")]["compile_s"]
     assert rows[("drafter", "compile, warm start")]["warmup_s"] > 0
     assert rows[("checkpoint", "dcp")]["load_s"] >= 0 and (tmp_path / "step_00000001").is_dir()
-    assert rows[("drafter", "compile")]["graphs"] == 1 and rows[("drafter", "eager")]["graphs"] == 0
+    assert rows[("drafter", "compile")]["graphs"] == 2 and rows[("drafter", "eager")]["graphs"] == 0  # step, masks
     assert all(r["step_ms"] > 0 for r in report["rows"] if "step_ms" in r)
     assert sum("step_ms" in r for r in report["rows"]) == 5
     json.dumps(report)
@@ -86,7 +86,7 @@ def test_warmup_bench_staggers_two_processes():
     at_once, staggered = report["all_at_once"]["ranks"], report["staggered"]["ranks"]
     assert [r["turn"] for r in at_once] == [0, 0] and [r["turn"] for r in staggered] == [0, 1]
     assert staggered[1]["began"] >= staggered[0]["ended"]
-    assert all(r["graphs"] == 1 for r in at_once + staggered)
+    assert all(r["graphs"] == 2 for r in at_once + staggered)  # the step and its masks
     assert "staggered" in format_report(report)
 
 

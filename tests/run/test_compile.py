@@ -79,7 +79,7 @@ def test_autocast_around_the_compiled_step_applies_inside():
 def test_compiled_bf16_micro_steps_sum_the_gradients_eager_sums():
     """Under autocast the compiled backward adds each linear weight's gradient into its
     fp32 buffer in place (dflash.model.linear): two micro-batches in, the buffers equal eager's,
-    no weight holds a ``.grad``, and the step is one graph."""
+    no weight holds a ``.grad``, and the step is one graph (its masks another)."""
     torch._dynamo.reset()
     base = tiny_drafter(block_size=BS)
     eager, compiled = (make_trainer(copy.deepcopy(base), s, autocast=torch.bfloat16) for s in (None, AOT))
@@ -88,7 +88,7 @@ def test_compiled_bf16_micro_steps_sum_the_gradients_eager_sums():
     for sl in (slice(0, 2), slice(2, 4)):
         for trainer in (eager, compiled):
             trainer.micro_step(*split(mb, pf, sl))
-    assert compile_counts()["graphs"] - before == 1
+    assert compile_counts()["graphs"] - before == 2
     assert all(p.grad is None for p in compiled.compute.parameters())
     assert all(g.abs().sum() > 0 for g in compiled.grads)
     torch.testing.assert_close(flat_grads(eager), flat_grads(compiled), rtol=1e-5, atol=1e-7)
@@ -110,12 +110,12 @@ def test_accumulation_under_compile_equals_one_micro_batch():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_one_graph_per_bucket_and_strict_guard():
+def test_one_step_graph_per_bucket_and_strict_guard():
     torch._dynamo.reset()
     trainer = make_trainer(tiny_drafter(block_size=BS), AOT)
     before = compile_counts()["graphs"]
     trainer.warmup([batch(rows=[0, 1], lengths=[32, 30]), batch(rows=[0, 1], lengths=[16, 10], seq_len=16)])
-    assert compile_counts()["graphs"] - before == 2  # one per bucket
+    assert compile_counts()["graphs"] - before == 4  # per bucket: the step and its masks
     assert not flat_grads(trainer).any(), "warmup must leave no gradient behind"
     guard = CompileGuard(strict=True)
     guard.arm()
@@ -126,7 +126,7 @@ def test_one_graph_per_bucket_and_strict_guard():
         assert guard.check("step") == {"recompiles": 0, "cudagraph_skips": 0}
     # A length outside the warmed buckets compiles again: strict turns that into an error.
     trainer.micro_step(*batch(rows=[0, 1], lengths=[20, 20], seq_len=24))
-    with pytest.raises(RecompileError, match="1 graph"):
+    with pytest.raises(RecompileError, match="2 graph"):  # the step and its masks
         guard.check("step 3")
 
 
