@@ -75,15 +75,16 @@ def test_drafter_flex_equals_dense_forward_and_backward(attention, packed):
     assert torch.nn.functional.cosine_similarity(*flat, dim=0) > 0.999
 
 
+@pytest.mark.parametrize("hidden", [128, 512], ids=["head-dim-32", "head-dim-128"])
 @pytest.mark.parametrize("anchors", [8, 12], ids=["queries-128", "queries-192"])
-def test_flex_backward_equals_dense_per_parameter_in_float32(anchors):
+def test_flex_backward_equals_dense_per_parameter_in_float32(anchors, hidden):
     """Each parameter's gradient through the flex kernels equals the dense mask's in
     float32 (to 1e-4 of its size): a cosine over all gradients hid a context-side error
     that only the gradients of ``fc`` and the key/value projections showed. 192 queries
-    are not a whole number of 128-query tiles."""
+    are not a whole number of 128-query tiles; a head size of 128 is Qwen3's."""
     torch.manual_seed(0)
     bs, seq_len = 16, 256
-    drafter = tiny_drafter(hidden=128, layer_ids=(1, 2, 3), block_size=bs).cuda()
+    drafter = tiny_drafter(hidden=hidden, layer_ids=(1, 2, 3), block_size=bs).cuda()
     n = training_anchors(seq_len, anchors)
     (flex_out, flex), (dense_out, dense) = (drafter_grads(drafter, n, seq_len, bs, f, {}, dtype=torch.float32)
                                             for f in (True, False))
