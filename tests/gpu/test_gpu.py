@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import flat_grads, tiny_drafter, tiny_head
+from torch.nn.attention.flex_attention import flex_attention
 
+import dflash.model.drafter as drafter_module
 from dflash.compile import CompileGuard, CompileSettings
 from dflash.data.bundle import random_batch, random_prefill, to_device
 from dflash.distributed.protocol import free_port
@@ -77,7 +79,7 @@ def test_drafter_flex_equals_dense_forward_and_backward(attention, packed):
 
 @pytest.mark.parametrize("hidden", [128, 512], ids=["head-dim-32", "head-dim-128"])
 @pytest.mark.parametrize("anchors", [8, 12], ids=["queries-128", "queries-192"])
-def test_flex_backward_equals_dense_per_parameter_in_float32(anchors, hidden):
+def test_flex_backward_equals_dense_per_parameter_in_float32(anchors, hidden, monkeypatch):
     """Each parameter's gradient through the flex kernels equals the dense mask's in
     float32 (to 1e-4 of its size): a cosine over all gradients hid a context-side error
     that only the gradients of ``fc`` and the key/value projections showed. 192 queries
@@ -86,11 +88,19 @@ def test_flex_backward_equals_dense_per_parameter_in_float32(anchors, hidden):
     bs, seq_len = 16, 256
     drafter = tiny_drafter(hidden=hidden, layer_ids=(1, 2, 3), block_size=bs).cuda()
     n = training_anchors(seq_len, anchors)
-    (flex_out, flex), (dense_out, dense) = (drafter_grads(drafter, n, seq_len, bs, f, {}, dtype=torch.float32)
-                                            for f in (True, False))
+    (dense_out, dense), (flex_out, flex), (_, dense_again) = (
+        drafter_grads(drafter, n, seq_len, bs, f, {}, dtype=torch.float32) for f in (False, True, False))
+
+    def off(grads: dict) -> dict:
+        return {k: float((grads[k] - dense[k]).norm() / dense[k].norm().clamp(min=1e-12)) for k in dense}
+
     torch.testing.assert_close(flex_out, dense_out, atol=1e-5, rtol=1e-5)
-    off = {k: float((flex[k] - dense[k]).norm() / dense[k].norm().clamp(min=1e-12)) for k in dense}
-    assert max(off.values()) < 1e-4, sorted(off.items(), key=lambda kv: -kv[1])[:4]
+    if max(off(flex).values()) >= 1e-4:  # say whether dense repeats itself and flex's eager (math) path agrees
+        monkeypatch.setattr(drafter_module, "compiled_flex_attention", lambda: flex_attention)
+        _, math = drafter_grads(drafter, n, seq_len, bs, True, {}, dtype=torch.float32)
+        worst = sorted(off(flex).items(), key=lambda kv: -kv[1])[:4]
+        pytest.fail(f"compiled flex against dense: {worst}; dense run again: {max(off(dense_again).values()):.2e}; "
+                    f"flex's eager path: {max(off(math).values()):.2e}")
 
 
 def _trainer(drafter, settings, packed: bool = False):
