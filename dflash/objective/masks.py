@@ -105,8 +105,9 @@ def mask_of_parts(parts: MaskParts, anchors: torch.Tensor, ctx_len: int, block_s
     if len(parts) == 1:
         return parts[0]
     q_len = anchors.shape[1] * block_size
+    mask_mod = dflash_mask_mod(anchors, ctx_len, block_size, window, starts, causal)
     return BlockMask(seq_lengths=(q_len, ctx_len + q_len), **dict(zip(BLOCK_INDICES, parts)),
-                     BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=dflash_mask_mod(anchors, ctx_len, block_size, window, starts, causal))
+                     BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod)
 
 
 def build_mask(

@@ -194,8 +194,8 @@ class DrafterTrainer:
 
         They are built outside the step's compiled graph and enter it as inputs: built
         inside it, torch 2.11's compiled flex backward gave wrong gradients on the H200
-        (fp32, against dense attention: 2-300x off in the query and key projections, with
-        the forward right), while the same BlockMask passed in gave the eager flex
+        (fp32, against dense attention: up to 340x off in the query and key projections,
+        with the forward right), while the same BlockMask passed in gave the eager flex
         backward's. On CUDA this is a small compiled graph of its own: evaluated eagerly,
         the mask's full grid would not fit at long context."""
         obj, seq_len = self.obj, position_ids.shape[1]
