@@ -15,6 +15,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+BLOCK = 128  # flex attention's tile, in queries and keys
+# a BlockMask's block-index tensors, in the order of its constructor's keywords
+INDICES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
 def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +45,19 @@ def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, torch.empty_like(d).scatter_(-1, slot.long(), cols.expand_as(d))
 
 
+def block_indices(mask: BlockMask) -> tuple[torch.Tensor, ...]:
+    """The block-index tensors of ``mask`` (:data:`INDICES`): with its lengths and
+    ``mask_mod``, all :func:`block_mask` needs to make it again."""
+    return tuple(getattr(mask, name) for name in INDICES)
+
+
+def block_mask(indices: tuple[torch.Tensor, ...], mask_mod: MaskMod, q_len: int, kv_len: int,
+               block: int = BLOCK) -> BlockMask:
+    """A ``BlockMask`` of square ``block`` tiles from its block-index tensors (:data:`INDICES`)."""
+    return BlockMask(seq_lengths=(q_len, kv_len), **dict(zip(INDICES, indices)), BLOCK_SIZE=(block, block),
+                     mask_mod=mask_mod)
+
+
 def block_mask_of(partial: torch.Tensor, full: torch.Tensor, mask_mod: MaskMod, q_len: int, kv_len: int,
                   block: int) -> BlockMask:
     """A ``BlockMask`` from its block grid ``[b, 1, q_blocks, kv_blocks]``: the ``partial``
@@ -50,19 +67,8 @@ def block_mask_of(partial: torch.Tensor, full: torch.Tensor, mask_mod: MaskMod, 
     full_kv_num, full_kv_indices = ordered_blocks(full)
     q_num, q_indices = ordered_blocks(partial.transpose(-2, -1))
     full_q_num, full_q_indices = ordered_blocks(full.transpose(-2, -1))
-    return BlockMask(
-        seq_lengths=(q_len, kv_len),
-        kv_num_blocks=kv_num,
-        kv_indices=kv_indices,
-        full_kv_num_blocks=full_kv_num,
-        full_kv_indices=full_kv_indices,
-        q_num_blocks=q_num,
-        q_indices=q_indices,
-        full_q_num_blocks=full_q_num,
-        full_q_indices=full_q_indices,
-        BLOCK_SIZE=(block, block),
-        mask_mod=mask_mod,
-    )
+    indices = (kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices, full_q_num, full_q_indices)
+    return block_mask(indices, mask_mod, q_len, kv_len, block)
 
 
 def packed_causal_mask_mod(position_ids: torch.Tensor) -> MaskMod:
@@ -76,7 +82,7 @@ def packed_causal_mask_mod(position_ids: torch.Tensor) -> MaskMod:
     return mask_mod
 
 
-def packed_causal_block_mask(position_ids: torch.Tensor, block: int = 128) -> BlockMask:
+def packed_causal_block_mask(position_ids: torch.Tensor, block: int = BLOCK) -> BlockMask:
     """The target's ``BlockMask`` for packed rows (:func:`packed_causal_mask_mod`), built
     from each query block's earliest and latest sample start rather than from every
     (query, key) pair: ``O(S^2 / block^2)`` work where evaluating the mask on the full grid

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash.flex import MaskMod, block_mask_of
+from dflash.flex import BLOCK, MaskMod, block_indices, block_mask, block_mask_of
 
 
 def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
@@ -66,9 +66,6 @@ def dense_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: t
     return mask_mod(b, torch.zeros_like(b), q, kv)
 
 
-BLOCK = 128  # flex attention's tile, in queries and keys
-
-
 def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device,
                     block: int = BLOCK) -> BlockMask:
     """The ``BlockMask`` that ``create_block_mask(mask_mod, batch, None, q_len, kv_len)``
@@ -86,16 +83,12 @@ def flex_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, devi
 
 
 MaskParts = tuple[torch.Tensor, ...]
-BLOCK_INDICES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                 "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
 
 
 def mask_parts(mask: BlockMask | torch.Tensor) -> MaskParts:
     """A mask as the plain tensors that enter the compiled step: the dense mask, or a
     ``BlockMask``'s block indices (:func:`mask_of_parts` puts it back together)."""
-    if isinstance(mask, BlockMask):
-        return tuple(getattr(mask, name) for name in BLOCK_INDICES)
-    return (mask,)
+    return block_indices(mask) if isinstance(mask, BlockMask) else (mask,)
 
 
 def mask_of_parts(parts: MaskParts, anchors: torch.Tensor, ctx_len: int, block_size: int, window: int | None = None,
@@ -106,8 +99,7 @@ def mask_of_parts(parts: MaskParts, anchors: torch.Tensor, ctx_len: int, block_s
         return parts[0]
     q_len = anchors.shape[1] * block_size
     mask_mod = dflash_mask_mod(anchors, ctx_len, block_size, window, starts, causal)
-    return BlockMask(seq_lengths=(q_len, ctx_len + q_len), **dict(zip(BLOCK_INDICES, parts)),
-                     BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod)
+    return block_mask(parts, mask_mod, q_len, ctx_len + q_len)
 
 
 def build_mask(

@@ -11,6 +11,8 @@ from dflash.objective.masks import (
     dense_mask,
     dflash_mask_mod,
     flex_block_mask,
+    mask_of_parts,
+    mask_parts,
 )
 
 
@@ -62,6 +64,21 @@ def test_window_counts_the_block_and_measures_from_each_query():
     huge, full = build_mask(ANCHORS, 18, 4, False, window=10**6), build_mask(ANCHORS, 18, 4, False)
     assert torch.equal(huge[..., :18], full[..., :18]), "a window past the sequence keeps all the context"
     assert torch.equal(huge[1, 0, 0:4, 18:22], torch.ones(4, 4, dtype=torch.bool).tril()), "and is causal in the block"
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_mask_put_back_from_its_parts_is_the_mask(window):
+    """The trainer builds the masks outside its compiled step and passes them in as plain
+    tensors: put back together, a BlockMask has the same block indices, lengths and
+    entries, and a dense mask is itself."""
+    starts = torch.tensor([[0, 0, 9, 0], [0, 5, 5, 5]])  # packed rows: where each anchor's sample starts
+    flex = build_mask(ANCHORS, 18, 4, True, window, starts)
+    again = mask_of_parts(mask_parts(flex), ANCHORS, 18, 4, window, starts)
+    assert again.seq_lengths == flex.seq_lengths and again.BLOCK_SIZE == flex.BLOCK_SIZE
+    assert all(torch.equal(a, b) for a, b in zip(mask_parts(again), mask_parts(flex)))
+    dense = build_mask(ANCHORS, 18, 4, False, window, starts)
+    assert torch.equal(dense_mask(again.mask_mod, 2, 16, 34, torch.device("cpu")), dense)
+    assert mask_of_parts(mask_parts(dense), ANCHORS, 18, 4, window, starts) is dense
 
 
 def test_sliding_block_mask_skips_tiles_outside_the_window():
