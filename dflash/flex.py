@@ -53,9 +53,15 @@ def block_indices(mask: BlockMask) -> tuple[torch.Tensor, ...]:
 
 def block_mask(indices: tuple[torch.Tensor, ...], mask_mod: MaskMod, q_len: int, kv_len: int,
                block: int = BLOCK) -> BlockMask:
-    """A ``BlockMask`` of square ``block`` tiles from its block-index tensors (:data:`INDICES`)."""
-    return BlockMask(seq_lengths=(q_len, kv_len), **dict(zip(INDICES, indices)), BLOCK_SIZE=(block, block),
-                     mask_mod=mask_mod)
+    """A ``BlockMask`` of square ``block`` tiles from its block-index tensors (:data:`INDICES`).
+
+    Each tensor is made contiguous: flex's Triton kernels index them as contiguous and
+    ignore their strides, and ``BlockMask`` does not check. Both layouts that broke
+    training on the H200 are legal tensors: the query-side indices of a transposed grid
+    (a wrong backward once the queries span two tiles) and Inductor's batch stride 3 for
+    a ``[2, 1, 1]`` block count (a wrong forward for the second row)."""
+    tensors = {name: t.contiguous() for name, t in zip(INDICES, indices)}
+    return BlockMask(seq_lengths=(q_len, kv_len), **tensors, BLOCK_SIZE=(block, block), mask_mod=mask_mod)
 
 
 def block_mask_of(partial: torch.Tensor, full: torch.Tensor, mask_mod: MaskMod, q_len: int, kv_len: int,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from dflash.flex import packed_causal_block_mask
+from dflash.flex import INDICES, block_indices, block_mask, packed_causal_block_mask
 from dflash.objective.masks import (
     build_mask,
     dense_mask,
@@ -128,8 +128,13 @@ def test_flex_block_mask_matches_dense_on_cpu():
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 
-BLOCK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
-                "full_q_num_blocks", "full_q_indices")
+def assert_same_block_mask(got: BlockMask, want: BlockMask) -> None:
+    """Every block-index tensor equal to ``want``'s and contiguous (flex's kernels ignore
+    strides: equal values in a transposed layout gave a wrong backward on the H200)."""
+    assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
+    for name in INDICES:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+        assert getattr(got, name).is_contiguous(), f"{name} has strides {getattr(got, name).stride()}"
 
 
 @pytest.mark.parametrize("ctx_len,num_anchors,block_size,window,packed", [
@@ -150,9 +155,7 @@ def test_block_mask_equals_create_block_mask(ctx_len, num_anchors, block_size, w
     kv_len = ctx_len + q_len
     want = create_block_mask(mod, 3, None, q_len, kv_len, device="cpu")
     got = flex_block_mask(mod, 3, q_len, kv_len, torch.device("cpu"))
-    assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
-    for name in BLOCK_FIELDS:
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+    assert_same_block_mask(got, want)
     assert torch.equal(got.to_dense(), want.to_dense())
 
 
@@ -188,8 +191,21 @@ def test_compiled_block_order_equals_the_eager_scatter():
     q_len, kv_len = 37 * 16, 600 + 37 * 16
     eager = flex_block_mask(mod, 2, q_len, kv_len, torch.device("cpu"))
     compiled = torch.compile(lambda: flex_block_mask(mod, 2, q_len, kv_len, torch.device("cpu")), backend="aot_eager")()
-    for name in BLOCK_FIELDS:
-        torch.testing.assert_close(getattr(compiled, name), getattr(eager, name), rtol=0, atol=0, msg=name)
+    assert_same_block_mask(compiled, eager)
+
+
+def test_block_mask_makes_its_indices_contiguous():
+    """Block indices in the layouts that broke training on the H200 (a transposed grid's
+    query-side indices; a block count ``[2, 1, 1]`` with batch stride 3, as Inductor laid
+    it out) come out of :func:`dflash.flex.block_mask` contiguous and unchanged."""
+    anchors = torch.tensor([[40, 90, 130, 200], [10, 60, 150, 220]])
+    mod = dflash_mask_mod(anchors, 256, 16)
+    want = flex_block_mask(mod, 2, 64, 320, torch.device("cpu"))
+    strided = [torch.empty_strided(t.shape, tuple(3 * s for s in t.stride()), dtype=t.dtype).copy_(t)
+               for t in block_indices(want)]
+    transposed = [t.transpose(-2, -1).contiguous().transpose(-2, -1) if t.dim() == 4 else t for t in strided]
+    assert not all(t.is_contiguous() for t in transposed)
+    assert_same_block_mask(block_mask(transposed, mod, 64, 320), want)
 
 
 @pytest.mark.parametrize("lengths", [(300, 212, 500), (128, 128, 256), (1000,), (90, 40, 60, 1, 200, 9), (130, 3, 400, 37), (126, 300, 50)])
@@ -205,9 +221,7 @@ def test_packed_causal_block_mask_equals_create_block_mask(lengths):
     want = create_block_mask(lambda b, h, q, kv: (kv <= q) & (starts[b, q] == starts[b, kv]), 2, None, total, total,
                              device="cpu")
     got = packed_causal_block_mask(position_ids)
-    assert got.seq_lengths == want.seq_lengths and got.BLOCK_SIZE == want.BLOCK_SIZE
-    for name in BLOCK_FIELDS:
-        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=0, atol=0, msg=name)
+    assert_same_block_mask(got, want)
     assert torch.equal(got.to_dense(), want.to_dense())
     dense = dense_mask(got.mask_mod, 2, total, total, torch.device("cpu"))[:, 0]
     assert torch.equal(dense, (torch.arange(total)[None, :, None] >= torch.arange(total)[None, None, :])
