@@ -130,9 +130,14 @@ def random_batch(batch: int, seq_len: int, vocab_size: int, spec: AnchorSpec, se
 def random_prefill(
     batch: int, seq_len: int, feature_dim: int, dtype: torch.dtype, topk: int, vocab_size: int, device: torch.device
 ) -> PrefillOutput:
-    """What a prefill returns, filled with noise: drafter warmup and benchmarks."""
+    """What a prefill returns, filled with noise: drafter warmup and benchmarks. The top-k
+    token ids of a position are distinct, as ``topk`` gives them: the loss writes each
+    teacher column's gradient once, and repeated ids made the compiled step's gradients
+    differ from the eager step's on the H200 (whichever repeat's write lands last wins)."""
     features = torch.randn(batch, seq_len, feature_dim, device=device).to(dtype)
     if not topk:
         return PrefillOutput(features)
     values = torch.randn(batch, seq_len, topk, device=device).sort(-1, descending=True).values
-    return PrefillOutput(features, values, torch.randint(0, vocab_size, (batch, seq_len, topk), device=device))
+    # k sorted draws from [0, V - k] plus 0..k-1: distinct ids, uniform over the k-subsets' sorted forms
+    draws = torch.randint(0, vocab_size - topk + 1, (batch, seq_len, topk), device=device).sort(-1).values
+    return PrefillOutput(features, values, draws + torch.arange(topk, device=device))

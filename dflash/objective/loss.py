@@ -119,7 +119,8 @@ def head_loss(
     """Loss of ``hidden [rows, H]`` through the frozen ``head_weight [V, H]``.
 
     ``teacher_idx``/``teacher_logits`` ``[rows, k]`` are the target's top-k logits
-    for the token each row predicts; the KL is taken against their softmax.
+    for the token each row predicts; the KL is taken against their softmax. A row's ids
+    are distinct, as ``topk`` gives them (each column's gradient is written once).
     ``top_k > 0`` also returns each row's ``top_k`` largest logits and their ids (not
     differentiable here; :mod:`dflash.objective.selector` rebuilds their gradient), read
     from the logits this pass computes anyway.

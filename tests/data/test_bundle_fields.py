@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash.data.bundle import MicroBatch
+from dflash.data.bundle import MicroBatch, random_prefill
 from dflash.distributed.transport import (
     BundleError,
     BundleReceiver,
@@ -133,3 +133,14 @@ def test_mismatched_field_is_a_clear_error(received, name):
     assert len(problems) == 1, f"{name}: only one field differs, yet the message names {problems}"
     for part in CASES[name][2]:
         assert part in problems[0], f"{name}: {part!r} not in {message!r}"
+
+
+def test_random_prefill_gives_distinct_top_k_ids_as_topk_does():
+    """Noise prefills (warmup, benchmarks, GPU tests) carry what a real prefill carries: the
+    loss writes each teacher column's gradient once, so repeated ids would make it depend
+    on which write lands last."""
+    out = random_prefill(3, 50, 8, torch.float32, 6, 10, "cpu")
+    ids = out.topk_indices
+    assert ids.min() >= 0 and ids.max() < 10
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
+    assert (out.topk_values.diff(dim=-1) <= 0).all()
