@@ -192,12 +192,11 @@ class DrafterTrainer:
     def _mask_parts(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> dict[str, MaskParts]:
         """The micro-batch's attention masks (a sliding layer's too) as plain tensors.
 
-        They are built outside the step's compiled graph and enter it as inputs: built
-        inside it, torch 2.11's compiled flex backward gave wrong gradients on the H200
-        (fp32, against dense attention: up to 340x off in the query and key projections,
-        with the forward right), while the same BlockMask passed in gave the eager flex
-        backward's. On CUDA this is a small compiled graph of its own: evaluated eagerly,
-        the mask's full grid would not fit at long context."""
+        They are built outside the step's compiled graph and enter it as inputs, the
+        layout measured right on the H200: built inside, Inductor gave a block count a
+        batch stride that flex's kernels do not read (``dflash.flex.block_mask`` now makes
+        the indices contiguous either way). On CUDA this is a small compiled graph of its
+        own: evaluated eagerly, the mask's full grid would not fit at long context."""
         obj, seq_len = self.obj, position_ids.shape[1]
         # One sample per row: no sample starts (each would be 0), one captured tensor fewer
         starts = sample_starts(anchors, position_ids) if obj.packed else None
