@@ -3,7 +3,11 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
 
 from dflash.flex import INDICES, block_indices, block_mask, packed_causal_block_mask
 from dflash.objective.masks import (
