@@ -20,6 +20,7 @@ from dflash.decode.live import LocalEval, RemoteEval
 from dflash.distributed.protocol import Protocol
 from dflash.model.target import PrefillOutput
 from dflash.run.checkpoint import CheckpointWriter
+from dflash.run.garbage import StepCollector
 from dflash.run.metrics import MetricsLogger
 from dflash.run.settings import RunSettings
 from dflash.run.startup import phases as startup
@@ -82,6 +83,7 @@ class StepLoop:
         group = self.proto.drafters if self.proto else None
         writer = CheckpointWriter(self.settings.run_dir.checkpoints, self.settings.checkpoint_keep, group)
         stop = StopRequested()
+        collector = StepCollector()
         self.metrics.begin()
         step = start
         try:
@@ -93,6 +95,7 @@ class StepLoop:
                     startup.mark("the first step")
                     log.info("%s", startup.report())
                 writer.prepare(self.trainer.drafter, self.trainer.optimizer, self.trainer.scheduler)
+                collector.before(step)
                 if stopping:
                     log.warning("stopped at step %d; run again with resume=auto to continue", step)
                     break

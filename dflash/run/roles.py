@@ -44,6 +44,7 @@ from dflash.distributed.transport import (
     PipelineCounters,
 )
 from dflash.model.export import save_export
+from dflash.run import garbage
 from dflash.run.build import (
     Job,
     TargetSide,
@@ -135,6 +136,7 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
         reports = [{"rank": 0, "role": "colocated", **staggered_warmup(warm, 0, 1)}]
         log_warmup(settings, reports)
     startup.mark("the compile warmup")
+    garbage.settle()
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     per_step = plan.micro_per_step
@@ -201,6 +203,7 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     server = eval_server(job, topo, proto, side)
     warm_in_turn(job, topo, proto, lambda: warm_target_rank(job, side, server))
     startup.mark("the compile warmup")
+    garbage.settle()
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     sender = BundleSender(proto.pairs_of_target(), device, plan.block_size, settings.max_in_flight,
@@ -214,8 +217,10 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     sends = topo.is_sender
+    collector = garbage.StepCollector()
     try:
         for m in topo.produced_by(topo.rank, first, last):
+            collector.before(m // plan.micro_per_step)
             if not proto.proceed(m):
                 break
             if server:
@@ -277,6 +282,7 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
         metrics.log_data(proto.data_summary())
     warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))
     startup.mark("the compile warmup")
+    garbage.settle()
     guard = CompileGuard(job.compile.strict)
     guard.arm()
     receiver = BundleReceiver(proto.pairs_of_drafter(), device, plan.expected(job.dtype))
