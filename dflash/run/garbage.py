@@ -50,11 +50,13 @@ def settle() -> None:
 
 
 class StepCollector:
-    """Collects when a rank reaches the start of every ``gc_every``-th step; a target
-    rank reaches a step once per micro-batch it produces, so a step collects once."""
+    """Collects when a rank reaches the start of every ``gc_every``-th step after
+    ``start`` (the step training begins at, which :func:`settle` has just collected
+    for); a target rank reaches a step once per micro-batch it produces, so a step
+    collects once."""
 
-    def __init__(self):
-        self.last: int | None = None
+    def __init__(self, start: int):
+        self.last = start
 
     def before(self, step: int) -> None:
         if _every and step % _every == 0 and step != self.last:

@@ -83,7 +83,7 @@ class StepLoop:
         group = self.proto.drafters if self.proto else None
         writer = CheckpointWriter(self.settings.run_dir.checkpoints, self.settings.checkpoint_keep, group)
         stop = StopRequested()
-        collector = StepCollector()
+        collector = StepCollector(start)
         self.metrics.begin()
         step = start
         try:

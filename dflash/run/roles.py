@@ -217,7 +217,7 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     sends = topo.is_sender
-    collector = garbage.StepCollector()
+    collector = garbage.StepCollector(start)
     try:
         for m in topo.produced_by(topo.rank, first, last):
             collector.before(m // plan.micro_per_step)
