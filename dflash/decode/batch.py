@@ -265,7 +265,7 @@ def speculative_batch_steps(
     eos_ids: Collection[int] = (),
     generators: Sequence[torch.Generator | None] | None = None,
     block_size: int | None = None,
-    batch_size: int = 32,
+    batch_size: int = 64,
 ) -> Generator[str, None, list[tuple[list[int], list[int]]]]:
     """:func:`dflash.decode.speculative.speculative_steps` over ``prompts`` (each ``[1, S]``),
     up to ``batch_size`` at a time, each with its generator; returns (new tokens,
@@ -327,7 +327,7 @@ def greedy_batch_steps(
     prompts: Sequence[torch.Tensor],
     max_new_tokens: int,
     eos_ids: Collection[int] = (),
-    batch_size: int = 32,
+    batch_size: int = 64,
 ) -> Generator[str, None, list[list[int]]]:
     """:func:`dflash.decode.speculative.greedy_steps` over ``prompts``, up to ``batch_size``
     at a time: one target forward of one token per row per step. Pauses after every

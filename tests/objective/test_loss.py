@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.objective.loss import head_loss, slot_accuracy, tau_sim
+from dflash.objective.loss import head_loss, slot_accuracy, tau_sim, top_k_of_rows
 
 
 def reference(hidden, weight, labels, w, t_idx=None, t_logits=None, ce=1.0, kl=0.0):
@@ -84,3 +84,28 @@ def test_slot_accuracy_and_tau_sim():
     assert correct.tolist() == [0, 2, 1, 1] and counted.tolist() == [0, 2, 2, 2]
     acc = correct / counted.clamp(min=1)
     assert abs(tau_sim(acc) - (1 + 1.0 + 0.5 + 0.25)) < 1e-9
+
+
+@pytest.mark.parametrize("width, segment", [(200, 8), (203, 8), (64, 8), (40, 8), (1000, 128)])
+@pytest.mark.parametrize("kind", ["distinct", "ties", "clustered", "constant"])
+def test_top_k_of_rows_gives_the_rows_largest_values(width, segment, kind):
+    """Against a sort in plain Python: the same values in the same order, at ids that hold
+    them, each id once; rows with many equal values (bf16 logits tie often), with every
+    large value in one segment, and constant rows included; widths with and without a
+    partial last segment, and with fewer whole segments than k (topk itself)."""
+    k = 6
+    g = torch.Generator().manual_seed(width + segment)
+    if kind == "ties":
+        x = torch.randint(0, 4, (9, width), generator=g).to(torch.bfloat16)
+    elif kind == "constant":
+        x = torch.ones(9, width, dtype=torch.bfloat16)
+    else:
+        x = torch.randn(9, width, generator=g).to(torch.bfloat16)
+        if kind == "clustered":
+            x[:, 16 : 16 + k] += 100
+    values, ids = top_k_of_rows(x, k, segment)
+    for row in range(x.shape[0]):
+        expected = sorted(x[row].tolist(), reverse=True)[:k]
+        assert values[row].tolist() == expected
+        assert x[row, ids[row]].tolist() == expected
+        assert len(set(ids[row].tolist())) == k
