@@ -194,6 +194,19 @@ def bench_rates(report: dict) -> dict:
             "target_mode": target["mode"], "drafter_mode": drafter["mode"]}
 
 
+def plans_for_cuda(job: Job, world_size: int) -> bool:
+    """Whether the plan is for GPUs (bf16 weights, H200 rates) or the CPU (float32, no rate):
+    ``estimate.device`` when set, so that a 1-GPU run can be planned from a machine without
+    one; else the run this command would start here, on GPUs where there is one or where
+    the plan spans several ranks."""
+    device = job.cfg.estimate.device
+    if device is None:
+        return torch.cuda.is_available() or world_size > 1
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"estimate.device={device!r}: choose cuda, cpu or null (this machine's)")
+    return device == "cuda"
+
+
 def _device_gib(job: Job) -> float:
     configured = job.cfg.estimate.device_gib
     if configured:
@@ -222,7 +235,7 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     are :func:`meta_models` already built. Raises :class:`TopologyError` for an impossible
     split."""
     plan, text = job.plan, job.target_config.get_text_config()
-    cuda_plan = torch.cuda.is_available() or world_size > 1
+    cuda_plan = plans_for_cuda(job, world_size)
     dtype = torch.bfloat16 if cuda_plan else torch.float32
     dtype_bytes = dtype.itemsize
     target, drafter = models or meta_models(job)

@@ -116,3 +116,20 @@ def test_a_faster_split_the_batch_does_not_divide_is_named_with_a_batch_that_wou
     text = format_options(offered, 0, micro_batch_size=1)
     assert "3 target / 5 drafter would predict" in text and "train.batch_size=35 would allow it" in text
     assert faster_split_barred_by_batch([option(t) for t in (0, 3, 4)]) is None  # the best split is offered
+
+
+def test_estimate_device_plans_a_gpu_run_from_a_machine_without_one():
+    """On a CPU-only machine a one-rank plan is the CPU run this command would start
+    (float32 weights, no rate); ``estimate.device=cuda`` plans the one-GPU run instead."""
+    def planned(device: str | None) -> Estimate:
+        job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", f"estimate.device={device or 'null'}"]))
+        return estimate(job, 1, 0)
+
+    gpu, cpu = planned("cuda"), planned("cpu")
+    assert gpu.target_gib["weights"] == pytest.approx(cpu.target_gib["weights"] / 2)
+    assert gpu.target_gib["weights"] == pytest.approx(8.19e9 * 2 / 2**30, rel=1e-2)
+    assert math.isfinite(gpu.drafter_rate) and math.isnan(cpu.drafter_rate)
+    if not torch.cuda.is_available():
+        assert planned(None).target_gib == cpu.target_gib
+    with pytest.raises(ValueError, match="estimate.device='tpu'"):
+        planned("tpu")
