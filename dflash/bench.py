@@ -53,7 +53,11 @@ from dflash.compile import (
 from dflash.data.bundle import MicroBatch, random_batch, random_prefill
 from dflash.data.dataset import synthetic_dataset
 from dflash.data.order import collate
-from dflash.decode.batch import greedy_batch_steps, speculative_batch_steps
+from dflash.decode.batch import (
+    default_batch_size,
+    greedy_batch_steps,
+    speculative_batch_steps,
+)
 from dflash.decode.speculative import run_to_end, tau
 from dflash.device import peak_memory_gib, synchronize
 from dflash.distributed.protocol import free_port, get_bytes, put_bytes, set_rank_env
@@ -559,7 +563,7 @@ def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2, profi
         drafter = DFlashDrafter(drafter_config(job))
     drafter.reset_parameters(job.cfg.drafter.init_std)
     drafter = drafter.to(dtype).eval().requires_grad_(False)
-    batch_size = int(job.cfg.eval.batch_size)
+    batch_size = int(job.cfg.eval.batch_size or default_batch_size(device))
     generator = torch.Generator().manual_seed(job.plan.seed)
     rows = []
     for prompts, new_tokens in specs:

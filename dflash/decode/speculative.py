@@ -83,7 +83,7 @@ class DecodeSettings:
     seed: int = 0  # prompt i samples with a generator seeded seed + i
     block_size: int | None = None  # None: the drafter's
     template_kwargs: Mapping = field(default_factory=dict)  # data.chat_template_kwargs, as in training
-    batch_size: int = 64  # prompts decoded at once (dflash.decode.batch)
+    batch_size: int | None = None  # prompts decoded at once; None: 64 on a GPU, 32 on the CPU (dflash.decode.batch)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))

@@ -71,7 +71,7 @@ def template_kwargs(cfg: DictConfig) -> dict:
 def decode_settings(cfg: DictConfig) -> DecodeSettings:
     """The ``eval`` group's budgets, greedy, with the template arguments training renders with."""
     return DecodeSettings(max_new_tokens=int(cfg.eval.max_new_tokens), max_prompts=int(cfg.eval.max_prompts),
-                          batch_size=int(cfg.eval.batch_size), template_kwargs=template_kwargs(cfg))
+                          batch_size=None if cfg.eval.batch_size is None else int(cfg.eval.batch_size), template_kwargs=template_kwargs(cfg))
 
 
 def eval_every(cfg: DictConfig) -> int:
@@ -85,6 +85,8 @@ def check_eval_budgets(cfg: DictConfig) -> None:
         for key in ("max_prompts", "max_new_tokens"):
             if int(cfg.eval[key]) < 1:
                 raise ValueError(f"eval.{key}={cfg.eval[key]} must be at least 1 (or eval.enabled=false)")
+    if cfg.eval.batch_size is not None and int(cfg.eval.batch_size) < 1:
+        raise ValueError(f"eval.batch_size={cfg.eval.batch_size} must be at least 1, or null (64 on a GPU, 32 on the CPU)")
 
 
 def live_eval_settings(cfg: DictConfig) -> LiveEvalSettings | None:

@@ -55,9 +55,9 @@ def test_decode_bench_times_the_evaluation_loops():
     report = run_decode(bench_job(TINY), parse_decode("3x6"), batch_one=1, profile=2)
     rows = {r["mode"]: r for r in report["decode"]}
     assert "Self CPU" in report["profile"]
-    assert set(rows) == {"speculative, batch 64", "speculative, batch 1", "greedy baseline, batch 64"}
-    assert rows["speculative, batch 64"]["new_tokens"] == 18 and rows["speculative, batch 1"]["new_tokens"] == 6
-    assert rows["greedy baseline, batch 64"]["lossless_prompts"] == 3  # float32 on the CPU
+    assert set(rows) == {"speculative, batch 32", "speculative, batch 1", "greedy baseline, batch 32"}
+    assert rows["speculative, batch 32"]["new_tokens"] == 18 and rows["speculative, batch 1"]["new_tokens"] == 6
+    assert rows["greedy baseline, batch 32"]["lossless_prompts"] == 3  # float32 on the CPU
     assert "tokens/s" in format_report(report)
     with pytest.raises(SystemExit, match="PROMPTSxNEW_TOKENS"):
         parse_decode("64")

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import tiny_drafter, tiny_target, word_tokenizer
 from runs import compose_cfg, read_records, run_colocated, run_disaggregated
 
+from dflash.decode.batch import default_batch_size
 from dflash.decode.live import (
     Evaluator,
     LiveEvalSettings,
@@ -134,6 +135,15 @@ def test_an_evaluation_budget_below_one_is_refused_at_start():
     cfg = compose_cfg(["eval.every=5", "eval.max_new_tokens=0"])
     with pytest.raises(ValueError, match="eval.max_new_tokens=0 must be at least 1"):
         live_eval_settings(cfg)
+    with pytest.raises(ValueError, match="eval.batch_size=0 must be at least 1, or null"):
+        live_eval_settings(compose_cfg(["eval.every=5", "eval.batch_size=0"]))
+
+
+def test_the_evaluation_batch_follows_the_device_unless_set():
+    """64 prompts at once on a GPU, 32 on the CPU, or ``eval.batch_size``."""
+    assert default_batch_size(torch.device("cuda")) == 64 and default_batch_size(torch.device("cpu")) == 32
+    assert live_eval_settings(compose_cfg(["eval.every=5"])).decode.batch_size is None
+    assert live_eval_settings(compose_cfg(["eval.every=5", "eval.batch_size=8"])).decode.batch_size == 8
 
 
 def test_evaluation_slices_decode_without_cudnn_attention_and_leave_the_choice_to_training(tmp_path):

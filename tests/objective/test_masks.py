@@ -1,5 +1,8 @@
 """The training mask against a brute-force reading of the spec."""
 
+import random
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +12,16 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from dflash.flex import INDICES, block_indices, block_mask, packed_causal_block_mask
+from dflash.data.dataset import Dataset, Sample
+from dflash.data.order import collate
+from dflash.flex import (
+    BLOCK,
+    INDICES,
+    block_indices,
+    block_mask,
+    packed_causal_block_mask,
+)
+from dflash.objective.anchors import AnchorSpec, sample_starts
 from dflash.objective.masks import (
     build_mask,
     dense_mask,
@@ -230,3 +242,74 @@ def test_packed_causal_block_mask_equals_create_block_mask(lengths):
     dense = dense_mask(got.mask_mod, 2, total, total, torch.device("cpu"))[:, 0]
     assert torch.equal(dense, (torch.arange(total)[None, :, None] >= torch.arange(total)[None, None, :])
                        & (starts[:, :, None] == starts[:, None, :]))
+
+
+def test_random_rows_give_the_block_masks_of_create_block_mask():
+    """Seeded random micro-batches, collated as training collates them, through the path the
+    trainer takes (``build_mask``, ``mask_parts``, ``mask_of_parts``; the target's
+    ``packed_causal_block_mask``): every block-index tensor equals, contiguous,
+    ``create_block_mask``'s over a mask written from docs/DESIGN.md section 1 with each
+    sample's start taken from the row's layout, and each ``mask_mod`` equals that mask on
+    every (query, key) pair. The cases span 1 to 3 rows, block sizes 2 to 16, padded rows,
+    lengths under and off the 128 tile, packed rows of up to 6 samples (of length 1,
+    starting at a tile's last key, the last ending on a tile), from 1 anchor to every valid
+    position and past it (unfilled slots), and windows of 1, a few slots, and more than the
+    row, causal or not: the hand-picked cases above miss the corners where a tile holds a
+    sample boundary, a padded query or a partly unfilled block."""
+    cpu = torch.device("cpu")
+    rng = random.Random(0)
+    for case in range(30):
+        batch, block_size = rng.randint(1, 3), rng.choice([2, 4, 8, 16])
+        packed = case % 2 == 1
+        rows = []
+        for _ in range(batch):
+            lengths = [rng.choice([1, rng.randint(2, 9), rng.randint(2, 300)])
+                       for _ in range(rng.randint(1, 6) if packed else 1)]
+            if case % 5 == 0:
+                lengths[-1] += -sum(lengths) % BLOCK
+            if case % 4 == 3:
+                lengths[0] += -(lengths[0] + 1) % BLOCK  # the next sample starts at a tile's last key
+            rows.append(lengths)
+        width = max(map(sum, rows)) + rng.choice([0, rng.randint(1, 150)])
+        valid = max(sum(n - 1 for n in lengths) for lengths in rows)  # the most anchors a row can hold
+        num_anchors = max(1, min(rng.choice([1, rng.randint(1, 12), valid, valid + 2]), 1024 // block_size))
+        samples = [Sample([1] * n, [1] * n, "t") for lengths in rows for n in lengths]
+        bounds = torch.tensor([0, *map(len, rows)]).cumsum(0).tolist()
+        mb = collate(Dataset(samples), 0, [np.arange(lo, hi) for lo, hi in zip(bounds, bounds[1:])], [width], pad_id=0,
+                     spec=AnchorSpec(num_anchors, case))
+        anchors, position_ids = mb.anchors, mb.position_ids
+        first = torch.zeros(batch, width, dtype=torch.long)  # where the sample of each position starts
+        for r, lengths in enumerate(rows):
+            for at, n in zip(torch.tensor([0, *lengths]).cumsum(0).tolist(), lengths):
+                first[r, at:] = at
+        window = rng.choice([1, rng.randint(2, 2 * block_size), 10**6])
+        causal = rng.random() < 0.5
+        starts = sample_starts(anchors, position_ids) if packed else None
+        q_len = num_anchors * block_size
+        kv_len = width + q_len
+        for w in (None, window):
+
+            def spec(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+                anchor = anchors[b, q // block_size]
+                query = anchor + q % block_size
+                position = torch.where(kv < width, kv, anchor + (kv - width) % block_size)
+                seen = torch.where(kv < width, (kv >= first[b, anchor]) & (kv < anchor),
+                                   (kv - width) // block_size == q // block_size)
+                if w is None:
+                    return seen
+                ahead = (position <= query) if causal else (position - query < w)
+                return seen & ahead & (query - position < w)
+
+            built = build_mask(anchors, width, block_size, True, w, starts, causal)
+            got = mask_of_parts(mask_parts(built), anchors, width, block_size, w, starts, causal)
+            assert_same_block_mask(got, create_block_mask(spec, batch, None, q_len, kv_len, device="cpu"))
+            assert torch.equal(dense_mask(got.mask_mod, batch, q_len, kv_len, cpu),
+                               dense_mask(spec, batch, q_len, kv_len, cpu)), (case, w)
+
+        def causal_in_sample(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return (kv <= q) & (first[b, kv] == first[b, q])
+
+        target = packed_causal_block_mask(position_ids)
+        assert_same_block_mask(target, create_block_mask(causal_in_sample, batch, None, width, width, device="cpu"))
+        assert torch.equal(dense_mask(target.mask_mod, batch, width, width, cpu),
+                           dense_mask(causal_in_sample, batch, width, width, cpu)), case
