@@ -31,6 +31,7 @@ from dflash.compile import CompileSettings
 from dflash.files import local_path
 from dflash.flex import packed_causal_block_mask
 from dflash.model.drafter import TargetHead
+from dflash.topk import top_k_of_rows
 
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
 
@@ -213,7 +214,11 @@ class Target:
             if topk:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False,
                                  logits_to_keep=0)
-                values, indices = out.logits.float().topk(topk, dim=-1)
+                # the bf16 logits' own top-k, widened after: the same values as a float32
+                # copy's (the cast is exact), without the [b, S, V] float32 copy
+                rows = out.logits.shape[:2]
+                values, indices = top_k_of_rows(out.logits.flatten(0, 1), topk)
+                values, indices = values.float().unflatten(0, rows), indices.unflatten(0, rows)
             else:
                 # Without the logits, nothing after the last captured layer is needed: for
                 # Qwen3-8B (ids up to 33 of 36) two layers and the final norm are skipped.

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import dflash.objective.xent  # noqa: F401  (registers torch.ops.dflash.softmax_xent)
 from dflash.objective.selector import widened
+from dflash.topk import top_k_of_rows
 
 
 def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -31,30 +32,6 @@ def decay_weights(block_size: int, gamma: float, device: torch.device | None = N
 def default_gamma(block_size: int) -> float:
     """The paper's decay: 7 for B=16, 5 for B=10, 4 for B=8; max(1, (B-2)/2) for other sizes."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, (block_size - 2) / 2))
-
-
-def top_k_of_rows(x: torch.Tensor, k: int, segment: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x.topk(k, dim=-1)`` of a ``[rows, V]`` matrix: the same values (ids may differ only
-    among equal values, as ``topk``'s own do), sorted, at about a seventh of its time at the
-    LM head's width (4.2 ms for ``[3584, 151936]`` bf16 on the H200).
-
-    Each row is cut into segments of ``segment`` columns and only the ``k`` segments with
-    the largest maxima are searched, with the columns past the last whole segment. That is
-    exact: those ``k`` maxima are ``k`` entries at least the ``k``-th largest maximum ``m``,
-    so every entry of the row's top ``k`` is ``>= m``; one in an unsearched segment would
-    be ``<= m`` (its segment's maximum is), so it equals ``m`` and ties an entry searched.
-    """
-    rows, width = x.shape
-    whole = width // segment
-    if whole < k:
-        return x.topk(k, dim=-1)
-    maxima = x[:, : whole * segment].view(rows, whole, segment).amax(-1)
-    first = maxima.topk(k, dim=-1).indices * segment  # [rows, k] first column of each searched segment
-    columns = (first[:, :, None] + torch.arange(segment, device=x.device)).flatten(1)
-    if width > whole * segment:
-        columns = torch.cat([columns, torch.arange(whole * segment, width, device=x.device).expand(rows, -1)], 1)
-    values, at = x.gather(1, columns).topk(k, dim=-1)
-    return values, columns.gather(1, at)
 
 
 def teacher_at(

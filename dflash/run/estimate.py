@@ -268,7 +268,7 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
         # features, and the logits for the KL (gathered whole on every rank of a group)
         "activations": tokens * (6 * h + 3 * text.intermediate_size / k) * dtype_bytes / GIB
         + tokens * plan.feature_dim * dtype_bytes / GIB
-        + (tokens * text.vocab_size * 4 / GIB if plan.topk else 0.0),
+        + (tokens * text.vocab_size * dtype_bytes / GIB if plan.topk else 0.0),
         "bundles in flight": in_flight * bundle / GIB,
     }
     if job.settings.live:

@@ -19,7 +19,6 @@ from dflash.objective.anchors import (
     sample_anchors,
     sample_generator,
 )
-from dflash.objective.loss import top_k_of_rows
 from dflash.objective.masks import build_mask
 from dflash.run.step import (
     DrafterTrainer,
@@ -27,6 +26,7 @@ from dflash.run.step import (
     build_optimizer,
     cosine_schedule,
 )
+from dflash.topk import top_k_of_rows
 
 pytestmark = pytest.mark.gpu
 

@@ -4,8 +4,10 @@ import pytest
 import torch
 from helpers import tiny_target
 
+import dflash.model.target as target_module
 from dflash.model.drafter import default_target_layer_ids
 from dflash.model.target import Target, TargetSource, resolve_mask_token_id
+from dflash.topk import top_k_of_rows
 
 
 def test_default_layer_ids_match_z_lab():
@@ -28,12 +30,19 @@ def test_hooks_capture_hidden_states_at_id_plus_one():
     assert not torch.allclose(feats, off_by_one)
 
 
-def test_prefill_topk_logits():
+@pytest.mark.parametrize("segment", [None, 4], ids=["vocabulary-under-k-segments", "segments-of-4"])
+def test_prefill_topk_logits(segment, monkeypatch):
+    """The teacher's top-k: the logits' own values in float32, at ids that hold them; with
+    segments of 4 the tiny vocabulary takes the segmented search a real one takes."""
+    if segment:
+        monkeypatch.setattr(target_module, "top_k_of_rows", lambda x, k: top_k_of_rows(x, k, segment))
     model = tiny_target()
-    ids = torch.randint(0, 90, (1, 7))
+    ids = torch.randint(0, 90, (2, 7))
     out = Target(model, [1]).prefill(ids, topk=5)
-    logits = model(input_ids=ids).logits
+    logits = model(input_ids=ids).logits.float()
+    assert out.topk_values.dtype == torch.float32 and out.topk_indices.shape == (2, 7, 5)
     torch.testing.assert_close(out.topk_values, logits.topk(5, dim=-1).values)
+    torch.testing.assert_close(logits.gather(-1, out.topk_indices), out.topk_values)
 
 
 def test_right_padding_needs_no_mask():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dflash.objective.loss import head_loss, slot_accuracy, tau_sim, top_k_of_rows
+from dflash.objective.loss import head_loss, slot_accuracy, tau_sim
+from dflash.topk import top_k_of_rows
 
 
 def reference(hidden, weight, labels, w, t_idx=None, t_logits=None, ce=1.0, kl=0.0):
