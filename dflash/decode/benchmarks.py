@@ -97,7 +97,7 @@ class HarnessSettings:
     sample_seed: int = 0  # the sample limit's shuffle
     seed: int = 0  # turn i samples with a generator seeded seed + i (temperature > 0)
     block_size: int | None = None  # None: the drafter's
-    batch_size: int | None = None  # responses decoded at once (None: by device); not a harness choice: the results do not depend on it
+    batch_size: int | None = None  # responses at once (None: by device); not a harness choice, results do not depend on it
 
 
 def parse_bench(spec: str, bench_dir: str | None = None) -> dict[str, str | None]:

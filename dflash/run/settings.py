@@ -70,8 +70,9 @@ def template_kwargs(cfg: DictConfig) -> dict:
 
 def decode_settings(cfg: DictConfig) -> DecodeSettings:
     """The ``eval`` group's budgets, greedy, with the template arguments training renders with."""
+    batch_size = None if cfg.eval.batch_size is None else int(cfg.eval.batch_size)
     return DecodeSettings(max_new_tokens=int(cfg.eval.max_new_tokens), max_prompts=int(cfg.eval.max_prompts),
-                          batch_size=None if cfg.eval.batch_size is None else int(cfg.eval.batch_size), template_kwargs=template_kwargs(cfg))
+                          batch_size=batch_size, template_kwargs=template_kwargs(cfg))
 
 
 def eval_every(cfg: DictConfig) -> int:
