@@ -107,7 +107,10 @@ class CandidateSelector(nn.Module):
 
     def transition(self, hidden: torch.Tensor, predecessors: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """``[..., k]`` transition scores of ``candidates [..., k]`` after ``predecessors [...]``
-        at slots with ``hidden [..., H]``."""
-        context = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden).to(
+        at slots with ``hidden [..., H]``. The codebook rows are looked up with ``embedding``:
+        indexing's backward adds repeated rows' gradients with atomic adds across CPU
+        threads, so DFlash2 runs differed from one another in the 7th digit; embedding's
+        backward adds them in a fixed order."""
+        context = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden).to(
             self.predecessor_codebook.dtype)
-        return (self.successor_codebook[candidates] * context.unsqueeze(-2)).sum(-1)
+        return (F.embedding(candidates, self.successor_codebook) * context.unsqueeze(-2)).sum(-1)

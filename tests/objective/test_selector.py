@@ -105,3 +105,26 @@ def test_weight_schedule_warms_up_then_ramps():
     assert got[10] == pytest.approx(0.5 / 20) and got[28] == pytest.approx(0.5 * 19 / 20)
     assert got[29:] == [0.5] * 71
     assert selector_weight(0, 100, 1.0, 0.0, 0.0) == 1.0
+
+
+def test_the_codebooks_gradients_are_the_same_every_backward():
+    """Many slots share predecessors and candidates, so the codebooks' gradients sum many
+    rows per id. With indexing, two CPU threads added them with atomic adds in a varying
+    order and DFlash2 runs drifted apart; the sums must not depend on the run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        selector = CandidateSelector(hidden_size=32, vocab_size=50, rank=64, top_k=16)
+        torch.nn.init.normal_(selector.successor_codebook, generator=g)
+        hidden = torch.randn(2048, 32, generator=g)
+        prev, candidates = torch.randint(0, 50, (2048,), generator=g), torch.randint(0, 50, (2048, 16), generator=g)
+        scale = torch.randn(2048, 16, generator=g)
+        grads = []
+        for _ in range(8):
+            selector.zero_grad()
+            (selector.transition(hidden, prev, candidates) * scale).sum().backward()
+            grads.append(torch.cat([selector.predecessor_codebook.grad, selector.successor_codebook.grad]))
+        assert all(torch.equal(grads[0], other) for other in grads[1:])
+    finally:
+        torch.set_num_threads(threads)
