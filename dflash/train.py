@@ -79,46 +79,51 @@ def train(cfg: DictConfig) -> dict:
     assert_main_thread()
     startup.mark("imports and the config")
     with collected_between_steps(int(cfg.train.gc_every)):
-        job = build_job(cfg)
-        startup.mark("the plan")
-        if cfg.dry_run:
-            return dry_run(cfg, job)
-        require_wandb(cfg.wandb.mode)
-        options = layout_options(job, int(os.environ.get("WORLD_SIZE", 1)))
-        topo = build_topology(job, resolve_targets(job, options))
-        setup_logging(topo)
-        if topo is None or topo.rank == topo.metrics_rank:
-            cost = of_layout(job, options, topo.num_targets if topo else 0)
-            log.info("%s", format_estimate(job, cost))
-            if topo:
-                log.info("%s", format_options(options, topo.num_targets, job.plan.micro_batch_size, job.plan.packing))
-            try:
-                check_fits(cost)
-            except PlanError as e:
-                log.warning("%s (an estimate: the run goes on)", e)
-        startup.mark("the layout and the estimate")
-        run_dir = job.settings.run_dir
-        if topo is None or topo.rank == 0:
-            run_dir.root.mkdir(parents=True, exist_ok=True)
-            run_dir.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        if topo is None:
-            return run_colocated(job)
-        proto = Protocol(topo, job.device, timeouts(cfg), eval_link=job.settings.live is not None and not topo.colocated)
+        return run_role(cfg)
+
+
+def run_role(cfg: DictConfig) -> dict:
+    """The plan, the layout, the process groups, then this rank's role."""
+    job = build_job(cfg)
+    startup.mark("the plan")
+    if cfg.dry_run:
+        return dry_run(cfg, job)
+    require_wandb(cfg.wandb.mode)
+    options = layout_options(job, int(os.environ.get("WORLD_SIZE", 1)))
+    topo = build_topology(job, resolve_targets(job, options))
+    setup_logging(topo)
+    if topo is None or topo.rank == topo.metrics_rank:
+        cost = of_layout(job, options, topo.num_targets if topo else 0)
+        log.info("%s", format_estimate(job, cost))
+        if topo:
+            log.info("%s", format_options(options, topo.num_targets, job.plan.micro_batch_size, job.plan.packing))
         try:
-            proto.start()
-            startup.mark("process groups")
-            if topo.colocated:
-                summary = run_colocated(job, topo, proto)
-            elif topo.is_target:
-                summary = run_target_rank(job, topo, proto)
-            else:
-                run_dir.root.mkdir(parents=True, exist_ok=True)
-                summary = run_drafter_rank(job, topo, proto)
-        except BaseException:
-            proto.abort()
-            raise
-        proto.close()
-        return summary
+            check_fits(cost)
+        except PlanError as e:
+            log.warning("%s (an estimate: the run goes on)", e)
+    startup.mark("the layout and the estimate")
+    run_dir = job.settings.run_dir
+    if topo is None or topo.rank == 0:
+        run_dir.root.mkdir(parents=True, exist_ok=True)
+        run_dir.config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    if topo is None:
+        return run_colocated(job)
+    proto = Protocol(topo, job.device, timeouts(cfg), eval_link=job.settings.live is not None and not topo.colocated)
+    try:
+        proto.start()
+        startup.mark("process groups")
+        if topo.colocated:
+            summary = run_colocated(job, topo, proto)
+        elif topo.is_target:
+            summary = run_target_rank(job, topo, proto)
+        else:
+            run_dir.root.mkdir(parents=True, exist_ok=True)
+            summary = run_drafter_rank(job, topo, proto)
+    except BaseException:
+        proto.abort()
+        raise
+    proto.close()
+    return summary
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")

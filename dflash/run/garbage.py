@@ -5,11 +5,11 @@ full (generation 2) collection walks every live object: millions once Dynamo and
 Inductor have loaded and compiled. Measured: a cold start on the H200 spent about 8 s
 in 15 full collections of 0.2-0.9 s while compiling; on 2 CPU cores the four that fell
 after the imports of a 12-14 s start took 1.3 s, each slower than the one before. In a
-step, one rank's pause holds every other rank at the next collective. So while training, automatic collection is off; once the warmup is over,
-everything alive is collected once and frozen (never walked again: the models, the
-compiled graphs, the modules), and a full collection of what came after runs every
-``train.gc_every`` steps, between steps. ``train.gc_every=0`` leaves Python's collector
-as it is.
+step, one rank's pause holds every other rank at the next collective. So while training,
+automatic collection is off; once the warmup is over, everything alive is collected once
+and frozen (never walked again: the models, the compiled graphs, the modules), and a
+full collection of what came after runs every ``train.gc_every`` steps, between steps.
+``train.gc_every=0`` leaves Python's collector as it is.
 """
 
 from __future__ import annotations
