@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import torch
 
+SEGMENT = 128  # columns per segment (BENCHMARKS.md, "DFlash2 at block 8: the selector's top-k over segments")
 
-def top_k_of_rows(x: torch.Tensor, k: int, segment: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+
+def top_k_of_rows(x: torch.Tensor, k: int, segment: int = SEGMENT,
+                  maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.topk(k, dim=-1)`` of a row-major ``[rows, V]`` matrix: the same values (ids may
     differ only among equal values, as ``topk``'s own do), sorted, in 1.5 ms where ``topk``
     takes 3.9 (``[3584, 151936]`` bf16 logits, k = 16, on the H200).
@@ -20,12 +23,16 @@ def top_k_of_rows(x: torch.Tensor, k: int, segment: int = 128) -> tuple[torch.Te
     exact: those ``k`` maxima are ``k`` entries at least the ``k``-th largest maximum ``m``,
     so every entry of the row's top ``k`` is ``>= m``; one in an unsearched segment would
     be ``<= m`` (its segment's maximum is), so it equals ``m`` and ties an entry searched.
+
+    ``maxima [rows, V // segment]``, each whole segment's maximum, where a pass over ``x``
+    already computed them (the loss's gradient kernel, :mod:`dflash.objective.xent`).
     """
     rows, width = x.shape
     whole = width // segment
     if whole < k:
         return x.topk(k, dim=-1)
-    maxima = x[:, : whole * segment].view(rows, whole, segment).amax(-1)
+    if maxima is None:
+        maxima = x[:, : whole * segment].view(rows, whole, segment).amax(-1)
     first = maxima.topk(k, dim=-1).indices * segment  # [rows, k] first column of each searched segment
     columns = (first[:, :, None] + torch.arange(segment, device=x.device)).flatten(1)
     if width > whole * segment:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import dflash.objective.xent  # noqa: F401  (registers torch.ops.dflash.softmax_xent)
 from dflash.objective.selector import widened
-from dflash.topk import top_k_of_rows
+from dflash.topk import SEGMENT, top_k_of_rows
 
 
 def decay_weights(block_size: int, gamma: float, device: torch.device | None = None) -> torch.Tensor:
@@ -68,8 +68,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             logits = hidden[rows] @ head_weight.t()
             w = weights[rows].float()
             # d/dlogits of sum_i w_i (ce * nll_i + kl * kl_i): w * ((ce + kl) * p - ce * onehot - kl * teacher)
-            lse, label_logit, argmax, grad_logits = torch.ops.dflash.softmax_xent(
-                logits, labels[rows], (ce_weight + kl_weight) * w, ce_weight * w
+            lse, label_logit, argmax, grad_logits, maxima = torch.ops.dflash.softmax_xent(
+                logits, labels[rows], (ce_weight + kl_weight) * w, ce_weight * w, SEGMENT if top_k else 0
             )
             if ce_weight:
                 total = total + ce_weight * (w * (lse - label_logit)).sum()
@@ -88,7 +88,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             grads.append((grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype))
             predictions.append(argmax)
             if top_k:  # the DFlash2 selector's candidates, from these logits rather than a second pass
-                values, ids = top_k_of_rows(logits, top_k)
+                values, ids = top_k_of_rows(logits, top_k, SEGMENT, maxima)
                 top_values.append(widened(values))
                 top_ids.append(ids)
         grad_hidden, predictions = torch.cat(grads), torch.cat(predictions)

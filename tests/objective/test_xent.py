@@ -25,9 +25,10 @@ def _case(rows, vocab, dtype, device, seed=0):
     return [t.to(device) for t in (logits.to(dtype), labels, row_scale, label_scale)]
 
 
-def _assert_matches_reference(inputs):
-    lse, label_logit, argmax, grad = xent._softmax_xent_triton(*inputs)
-    ref = xent.softmax_xent_reference(*inputs)
+def _assert_matches_reference(inputs, segment=0):
+    lse, label_logit, argmax, grad, maxima = xent._softmax_xent_triton(*inputs, segment)
+    ref = xent.softmax_xent_reference(*inputs, segment)
+    assert torch.equal(maxima, ref[4]) and maxima.shape == (inputs[0].shape[0], inputs[0].shape[1] // max(segment, 1) * (segment > 0))
     torch.testing.assert_close(lse, ref[0], rtol=1e-6, atol=1e-5)
     assert torch.equal(label_logit, ref[1])
     assert torch.equal(argmax, ref[2])
@@ -37,7 +38,10 @@ def _assert_matches_reference(inputs):
     torch.testing.assert_close(grad.float(), ref[3].float(), rtol=tol, atol=1e-7)
 
 
-INTERPRETED_CASES = [(6, 3 * xent.STATS_BLOCK + 5, torch.bfloat16), (5, xent.STATS_BLOCK, torch.float32), (4, 100, torch.float32)]
+# rows, vocabulary, dtype, and the segments whose maxima the gradient pass also writes (96:
+# not a divisor of the gradient's block, so computed apart)
+INTERPRETED_CASES = [(6, 3 * xent.STATS_BLOCK + 5, torch.bfloat16, 128), (5, xent.STATS_BLOCK, torch.float32, 0),
+                     (4, 100, torch.float32, 128), (4, xent.GRAD_BLOCK + 200, torch.bfloat16, 96)]
 
 
 def test_kernels_equal_the_pytorch_formula_under_the_interpreter():
@@ -52,9 +56,17 @@ def test_kernels_equal_the_pytorch_formula_under_the_interpreter():
 
 
 def test_the_cpu_runs_the_pytorch_formula():
-    inputs = _case(4, 50, torch.float32, "cpu")
-    for a, b in zip(torch.ops.dflash.softmax_xent(*inputs), xent.softmax_xent_reference(*inputs)):
+    inputs = _case(4, 300, torch.float32, "cpu")
+    for a, b in zip(torch.ops.dflash.softmax_xent(*inputs, 128), xent.softmax_xent_reference(*inputs, 128)):
         assert torch.equal(a, b)
+
+
+def test_segment_maxima_are_each_whole_segments_maximum():
+    logits = torch.randn(3, 300)
+    maxima = xent.segment_maxima(logits, 128)
+    assert maxima.shape == (3, 2)
+    assert torch.equal(maxima[:, 1], logits[:, 128:256].max(-1).values)
+    assert xent.segment_maxima(logits, 0).shape == (3, 0)
 
 
 def test_reference_gradient_is_the_derivative_of_the_weighted_cross_entropy():
@@ -62,20 +74,20 @@ def test_reference_gradient_is_the_derivative_of_the_weighted_cross_entropy():
     logits.requires_grad_()
     loss = (row_scale * torch.nn.functional.cross_entropy(logits, labels, reduction="none")).sum()
     (expected,) = torch.autograd.grad(loss, logits)
-    lse, label_logit, _, grad = xent.softmax_xent_reference(logits.detach(), labels, row_scale, row_scale)
+    lse, label_logit, _, grad, _ = xent.softmax_xent_reference(logits.detach(), labels, row_scale, row_scale)
     torch.testing.assert_close(grad, expected)
     torch.testing.assert_close((row_scale * (lse - label_logit)).sum(), loss.detach())
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows, vocab", [(64, 151936), (33, 1000)])
-def test_kernels_equal_the_pytorch_formula_on_the_gpu(rows, vocab):
+@pytest.mark.parametrize("rows, vocab, segment", [(64, 151936, 128), (64, 151936, 0), (33, 1000, 128)])
+def test_kernels_equal_the_pytorch_formula_on_the_gpu(rows, vocab, segment):
     assert xent._triton() is not None
-    _assert_matches_reference(_case(rows, vocab, torch.bfloat16, "cuda"))
+    _assert_matches_reference(_case(rows, vocab, torch.bfloat16, "cuda"), segment)
 
 
 if __name__ == "__main__":
-    for rows, vocab, dtype in INTERPRETED_CASES:
-        _assert_matches_reference(_case(rows, vocab, dtype, "cpu"))
+    for rows, vocab, dtype, segment in INTERPRETED_CASES:
+        _assert_matches_reference(_case(rows, vocab, dtype, "cpu"), segment)
         print("ok")
