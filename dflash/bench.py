@@ -259,7 +259,9 @@ class Bench:
             trainer.finish()
 
         step()  # the optimizer's state is created on its first step
+        recorded = compile_counts()["cudagraph_recordings"]
         seconds = timed(step, self.steps, self.device) / self.accumulation
+        rerecords = compile_counts()["cudagraph_recordings"] - recorded
         if name == self.profile:
             self.profile_table = profile_table(step, self.device)
         context = sum(anchor_context(b) for b in self.batches) / len(self.batches)
@@ -278,6 +280,7 @@ class Bench:
             "warmup_s": warm["wall_s"],
             "graphs": after["graphs"] - before["graphs"],
             "cudagraph_skips": after["cudagraph_skips"] - before["cudagraph_skips"],
+            "cudagraph_rerecords": rerecords,  # CUDA graphs recorded during the timed steps
             "fx_cache": fx_cache(before, after),
             "compile_s": compile_breakdown() if mode else {},
         }
@@ -342,7 +345,9 @@ class Bench:
             self.trainer.finish()
 
         step()
+        recorded = compile_counts()["cudagraph_recordings"]
         seconds = timed(step, self.steps, self.device) / self.accumulation
+        rerecords = compile_counts()["cudagraph_recordings"] - recorded
         if self.profile == "colocated":
             self.profile_table = profile_table(step, self.device)
         row = {
@@ -352,6 +357,7 @@ class Bench:
             "samples_per_s": round(self.micro / seconds, 2),
             "tokens_per_s": round(self.tokens / seconds),
             "peak_gib": peak_memory_gib(self.device),
+            "cudagraph_rerecords": rerecords,
         }
         if self.device.type == "cuda":
             row.update(self.colocated_phases(micro_batch))

@@ -145,7 +145,7 @@ def plot_throughput(records: list[dict], batch_size: int | None, out: Path) -> P
 def plot_health(records: list[dict], ranks: list[dict] | None, out: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
     steps = [r["step"] for r in records]
-    for key in ("recompiles", "cudagraph_skips"):
+    for key in ("recompiles", "cudagraph_skips", "cudagraph_rerecords"):
         left.plot(steps, [r.get(key, 0) for r in records], label=key)
     left.set_xlabel("step")
     left.set_title("after warmup (should stay 0)")

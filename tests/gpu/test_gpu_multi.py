@@ -147,7 +147,7 @@ def test_split_trains_like_colocated(colocated, tmp_path, targets, drafters):
     ranks = json.loads((tmp_path / "ranks.json").read_text())
     assert [r["role"] for r in ranks] == ["target"] * targets + ["drafter"] * drafters
     assert all(r["steps"] == 6 for r in ranks)
-    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
+    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 and m["cudagraph_rerecords"] == 0 for m in read_metrics(tmp_path))
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
@@ -162,7 +162,7 @@ def test_colocated_data_parallel_trains_like_one_process(tmp_path, ranks):
     assert losses == pytest.approx(expected, rel=2e-2)
     summaries = json.loads((tmp_path / "ranks.json").read_text())
     assert [(r["role"], r["steps"]) for r in summaries] == [("colocated", 6)] * ranks
-    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
+    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 and m["cudagraph_rerecords"] == 0 for m in read_metrics(tmp_path))
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
@@ -177,7 +177,7 @@ def test_evaluation_while_training_on_target_rank_0(tmp_path):
     assert evals[0]["eval/lossless"] is True and evals[0]["eval/tau"] >= 1.0 and "eval/tau@1" in evals[0]
     assert evals[0]["eval/handoff_ms"] < 1000 and evals[0]["eval/slice_max_ms"] > 0
     assert evals[0]["eval/divergent_prompts"] == 0
-    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
+    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 and m["cudagraph_rerecords"] == 0 for m in read_metrics(tmp_path))
     assert "eval_s" in json.loads((tmp_path / "ranks.json").read_text())[0]
 
 
@@ -225,5 +225,5 @@ def test_tensor_parallel_target_group_trains_like_colocated(colocated, tmp_path)
     assert [r["role"] for r in ranks] == ["target", "target", "drafter", "drafter"]
     assert all(r["steps"] == 6 for r in ranks)
     assert ranks[0]["bytes_sent"] > 0 and ranks[1]["bytes_sent"] == 0
-    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 for m in read_metrics(tmp_path))
+    assert all(m["recompiles"] == 0 and m["cudagraph_skips"] == 0 and m["cudagraph_rerecords"] == 0 for m in read_metrics(tmp_path))
     assert (tmp_path / "export" / "model.safetensors").is_file()

@@ -123,11 +123,32 @@ def test_one_step_graph_per_bucket_and_strict_guard():
     for lengths, seq_len in (([20, 9], 32), ([12, 14], 16)):
         trainer.micro_step(*batch(rows=[2, 3], lengths=lengths, seq_len=seq_len))
         trainer.finish()
-        assert guard.check("step") == {"recompiles": 0, "cudagraph_skips": 0}
+        assert guard.check("step") == {"recompiles": 0, "cudagraph_skips": 0, "cudagraph_rerecords": 0}
     # A length outside the warmed buckets compiles again: strict turns that into an error.
     trainer.micro_step(*batch(rows=[0, 1], lengths=[20, 20], seq_len=24))
     with pytest.raises(RecompileError, match="2 graph"):  # the step and its masks
         guard.check("step 3")
+
+
+def test_a_cuda_graph_recorded_after_warmup_is_reported():
+    """CUDAGraph Trees announces each recording through Dynamo's callbacks; after warmup
+    one is a re-recording (a graph's input moved), reported and, strict, an error."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    guard = CompileGuard(strict=False)
+    guard.arm()
+    with callback_handler.install_callbacks(CallbackTrigger.DYNAMO, "0/0"):
+        pass
+    assert guard.check("step 1") == {"recompiles": 0, "cudagraph_skips": 0, "cudagraph_rerecords": 0}
+    with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0/0"):
+        pass
+    assert guard.check("step 2")["cudagraph_rerecords"] == 1
+    strict = CompileGuard(strict=True)
+    strict.arm()
+    with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0/0"):
+        pass
+    with pytest.raises(RecompileError, match="1 CUDA graph"):
+        strict.check("step 3")
 
 
 def test_model_work_only_on_the_main_thread():
