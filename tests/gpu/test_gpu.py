@@ -162,6 +162,35 @@ def test_reduce_overhead_equals_eager_with_accumulation(attention):
         assert guard.check(f"step {step}") == {"recompiles": 0, "cudagraph_skips": 0, "cudagraph_rerecords": 0}
 
 
+def test_a_dflash2_step_replays_its_cuda_graphs_step_after_step():
+    """Six optimizer steps of a DFlash2 drafter under reduce-overhead after warmup: no
+    recompile, no CUDA-graph skip and no graph recorded again. On the H200 the
+    Qwen3-8B-shaped DFlash2 step recorded a graph again at the first micro-step of every
+    other optimizer step (about 0.1 s each), which no counter reported then."""
+    import dataclasses
+
+    from dflash.model.drafter import DFlash2Config, DFlashDrafter
+
+    torch._dynamo.reset()
+    config = dataclasses.replace(tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).config,
+                                 dflash2=DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                                       selector_top_k=4))
+    torch.manual_seed(0)
+    settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True,
+                               warmup_turns=1)
+    trainer = _trainer(DFlashDrafter(config).cuda(), settings)
+    data = [(random_batch(2, 256, 96, AnchorSpec(8, 0), seed=i), random_prefill(2, 256, 768, torch.bfloat16, 4, 96,
+                                                                                  "cuda")) for i in range(13)]
+    trainer.warmup([data[0]])
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    for step in range(6):
+        for micro in range(2):
+            trainer.micro_step(*data[1 + 2 * step + micro])
+        assert trainer.finish() is not None
+        assert guard.check(f"step {step}") == {"recompiles": 0, "cudagraph_skips": 0, "cudagraph_rerecords": 0}
+
+
 def test_the_compiled_step_equals_the_eager_one_in_float32_with_the_kl_term(monkeypatch):
     """In float32 the compiled micro-step (Inductor's kernels, the loss's custom ops, flex)
     is the eager one to rounding, the KL term included: a gap of 1e-3 or more here was the
