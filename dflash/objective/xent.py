@@ -96,8 +96,8 @@ def _softmax_xent_triton(logits, labels, row_scale, label_scale, segment=0):
         )
         kernels.logits_grad[(rows, -(-vocab // GRAD_BLOCK))](
             logits, labels, lse, row_scale.float().contiguous(), label_scale.float().contiguous(), grad,
-            maxima if fused else grad, vocab,
-            maxima.shape[1], BLOCK=GRAD_BLOCK, SEGMENT=segment if fused else 0, num_warps=GRAD_WARPS,
+            maxima if fused else grad, vocab, maxima.shape[1],  # unread unless fused
+            BLOCK=GRAD_BLOCK, SEGMENT=segment if fused else 0, num_warps=GRAD_WARPS,
         )
     return lse, label_logit, argmax, grad, maxima
 
