@@ -12,6 +12,14 @@ import torch
 SEGMENT = 128  # columns per segment (BENCHMARKS.md, "DFlash2 at block 8: the selector's top-k over segments")
 
 
+def segment_maxima(x: torch.Tensor, segment: int) -> torch.Tensor:
+    """The maximum of each whole segment of ``segment`` columns of ``x [rows, V]``
+    (``[rows, 0]`` for ``segment`` 0 or a row shorter than one segment)."""
+    rows, width = x.shape
+    whole = width // segment if segment else 0
+    return x[:, : whole * segment].reshape(rows, whole, segment).amax(-1) if whole else x.new_empty(rows, 0)
+
+
 def top_k_of_rows(x: torch.Tensor, k: int, segment: int = SEGMENT,
                   maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x.topk(k, dim=-1)`` of a row-major ``[rows, V]`` matrix: the same values (ids may
@@ -32,7 +40,7 @@ def top_k_of_rows(x: torch.Tensor, k: int, segment: int = SEGMENT,
     if whole < k:
         return x.topk(k, dim=-1)
     if maxima is None:
-        maxima = x[:, : whole * segment].view(rows, whole, segment).amax(-1)
+        maxima = segment_maxima(x, segment)
     first = maxima.topk(k, dim=-1).indices * segment  # [rows, k] first column of each searched segment
     columns = (first[:, :, None] + torch.arange(segment, device=x.device)).flatten(1)
     if width > whole * segment:

@@ -29,6 +29,8 @@ import types
 
 import torch
 
+from dflash.topk import segment_maxima
+
 # Columns per step of the statistics pass and per program of the gradient pass, warps per
 # program, and how deep the statistics pass pipelines its loads: the fastest on the H200 of
 # those tools/xent_probe.py tries (deeper pipelining was slower).
@@ -59,13 +61,6 @@ def _(logits, labels, row_scale, label_scale, segment=0):
     fp32 = logits.new_empty(rows, dtype=torch.float32)
     maxima = logits.new_empty(rows, logits.shape[1] // segment if segment else 0)
     return fp32, fp32.clone(), logits.new_empty(rows, dtype=torch.int64), torch.empty_like(logits), maxima
-
-
-def segment_maxima(logits: torch.Tensor, segment: int) -> torch.Tensor:
-    """The maximum of each whole segment of ``segment`` columns of ``logits [rows, V]``."""
-    rows, vocab = logits.shape
-    whole = vocab // segment if segment else 0
-    return logits[:, : whole * segment].reshape(rows, whole, segment).amax(-1) if whole else logits.new_empty(rows, 0)
 
 
 def softmax_xent_reference(
