@@ -124,6 +124,14 @@ def timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def timed_step(step: Callable[[], None], steps: int, device: torch.device) -> tuple[float, int]:
+    """:func:`timed` for a training step: seconds per call, and the CUDA graphs recorded
+    during the timed calls (after warmup, each is a re-recording that stalls the step)."""
+    recorded = compile_counts()["cudagraph_recordings"]
+    seconds = timed(step, steps, device)
+    return seconds, compile_counts()["cudagraph_recordings"] - recorded
+
+
 def profile_table(fn: Callable[[], None], device: torch.device, calls: int = 3) -> str:
     """Where the time of ``fn`` goes: the torch profiler's top operators by device time,
     under a line that says how much of the device's time ran kernels (the rest, gaps
@@ -259,9 +267,8 @@ class Bench:
             trainer.finish()
 
         step()  # the optimizer's state is created on its first step
-        recorded = compile_counts()["cudagraph_recordings"]
-        seconds = timed(step, self.steps, self.device) / self.accumulation
-        rerecords = compile_counts()["cudagraph_recordings"] - recorded
+        seconds, rerecords = timed_step(step, self.steps, self.device)
+        seconds /= self.accumulation
         if name == self.profile:
             self.profile_table = profile_table(step, self.device)
         context = sum(anchor_context(b) for b in self.batches) / len(self.batches)
@@ -345,9 +352,8 @@ class Bench:
             self.trainer.finish()
 
         step()
-        recorded = compile_counts()["cudagraph_recordings"]
-        seconds = timed(step, self.steps, self.device) / self.accumulation
-        rerecords = compile_counts()["cudagraph_recordings"] - recorded
+        seconds, rerecords = timed_step(step, self.steps, self.device)
+        seconds /= self.accumulation
         if self.profile == "colocated":
             self.profile_table = profile_table(step, self.device)
         row = {
