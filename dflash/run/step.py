@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash.compile import CompileSettings
+from dflash.compile import CompileSettings, FixedAddresses
 from dflash.data.bundle import MicroBatch
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, TargetHead, drafted
 from dflash.model.linear import Linear
@@ -156,6 +156,7 @@ class DrafterTrainer:
         self.forward_loss = compile_settings.compile(self._forward_loss) if self.compiled else self._forward_loss
         # A graph of its own, not the step's: see _mask_parts
         self.mask_parts = compile_settings.compile(self._mask_parts, mode="default") if self.compiled else self._mask_parts
+        self.fixed_addresses = FixedAddresses()
         self.stats = self._fresh_stats()
         self.selector = drafter.config.dflash2 is not None
         # a device tensor, read by the compiled step: a new weight each step recompiles nothing
@@ -268,6 +269,8 @@ class DrafterTrainer:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         masks = self.mask_parts(batch.anchors, batch.position_ids)
+        if self.cuda_graphs:  # the backward's CUDA graph reads the block indices where it recorded them
+            masks = {name: self.fixed_addresses(name, parts) for name, parts in masks.items()}
         with self.autocast:  # outside the compiled code: inside, it keeps the graph out of the AOT cache
             loss_sum, weight_sum, correct, counted = self.forward_loss(
                 prefill.features, batch.input_ids, batch.position_ids, batch.loss_mask, batch.lengths, batch.anchors,

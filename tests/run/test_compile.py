@@ -12,12 +12,14 @@ from test_step import BS, batch, split
 from dflash.compile import (
     CompileGuard,
     CompileSettings,
+    FixedAddresses,
     RecompileError,
     assert_main_thread,
     compile_counts,
     share_compile_threads,
     warmup_turn,
 )
+from dflash.model.drafter import FULL
 from dflash.run.step import (
     DrafterTrainer,
     ObjectiveConfig,
@@ -149,6 +151,48 @@ def test_a_cuda_graph_recorded_after_warmup_is_reported():
         pass
     with pytest.raises(RecompileError, match="1 CUDA graph"):
         strict.check("step 3")
+
+
+def test_the_masks_reach_a_cuda_graph_step_at_the_same_addresses_every_step():
+    """The backward of a CUDA-graph step reads the block indices its forward saved at
+    their recorded addresses: however the allocator moves the freshly built masks
+    between optimizer steps, the step sees one buffer per shape, holding this
+    micro-batch's values."""
+    torch._dynamo.reset()
+    graphs = CompileSettings(drafter=True, target=False, backend="aot_eager", mode="reduce-overhead", strict=True,
+                             warmup_turns=1)
+    trainer = make_trainer(tiny_drafter(block_size=BS), graphs)
+    assert trainer.cuda_graphs
+    seen, forward_loss = [], trainer.forward_loss
+
+    def spy(*args):
+        mask = args[-1][FULL][0]
+        seen.append((mask.data_ptr(), mask.clone()))
+        return forward_loss(*args)
+
+    trainer.forward_loss = spy
+    long, short = batch(rows=[0, 1], lengths=[32, 30]), batch(rows=[2, 3], lengths=[12, 7])
+    ballast = []
+    for mb, pf in (long, short, long):
+        trainer.micro_step(mb, pf)
+        trainer.finish()
+        ballast.append(torch.ones(4096, dtype=torch.bool))  # the allocator's state differs at each step
+    assert len({ptr for ptr, _ in seen}) == 1
+    expected = trainer._mask_parts(long[0].anchors, long[0].position_ids)[FULL][0]
+    torch.testing.assert_close(seen[0][1], expected)
+    assert not torch.equal(seen[1][1], expected)
+    torch.testing.assert_close(seen[2][1], expected)
+
+
+def test_fixed_addresses_hold_one_buffer_per_name_and_shape():
+    fixed = FixedAddresses()
+    a = fixed("full", (torch.arange(6), torch.ones(2, 3)))
+    b = fixed("full", (torch.arange(6) * 2, torch.zeros(2, 3)))
+    assert [t.data_ptr() for t in a] == [t.data_ptr() for t in b]
+    torch.testing.assert_close(b[0], torch.arange(6) * 2)
+    other = fixed("sliding", (torch.arange(6), torch.ones(2, 3)))
+    wider = fixed("full", (torch.arange(8), torch.ones(2, 3)))
+    assert other[0].data_ptr() != a[0].data_ptr() and wider[0].data_ptr() != a[0].data_ptr()
 
 
 def test_model_work_only_on_the_main_thread():
