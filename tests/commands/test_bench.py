@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from dflash.bench import (
+    PACKED_ROWS,
     bench_job,
     format_report,
+    packed_batches,
     parse_decode,
     run_bench,
     run_decode,
@@ -15,8 +17,9 @@ from dflash.bench import (
     run_warmup,
 )
 from dflash.model.drafter import DFlashDrafter
+from dflash.model.target import random_target
 from dflash.run.build import drafter_config
-from dflash.run.estimate import drafter_flops
+from dflash.run.estimate import drafter_flops, keys_per_token, prefill_flops
 from dflash.run.step import DrafterTrainer
 
 TINY = ["wandb.mode=disabled", "train.micro_batch_size=2", "train.num_anchors=4", "train.max_len=64",
@@ -113,3 +116,21 @@ def test_prefill_flops_count_only_the_layers_that_run():
     head = model.get_output_embeddings().weight.numel()
     full = prefill_flops(model, 3072, True, ids)
     assert (full - 2 * head * 3072) / 1e12 == pytest.approx(45.46, abs=0.01)
+
+
+def test_a_packed_bench_counts_the_work_of_the_rows_every_role_cycles_over():
+    """Packed rows differ in attention work with their samples' lengths: the prefill row
+    runs and counts the same rows as the drafter and colocated rows, not the first alone."""
+    job = bench_job([*TINY, "train.packing=true", "data=synthetic", "data.mean_length=24", "train.micro_batch_size=1"])
+    report = run_bench(job, steps=1, peak_tflops=790.0, modes=["eager"])
+    batches, _ = packed_batches(job, job.target_config.vocab_size, PACKED_ROWS)
+    shapes = report["shapes"]
+    assert shapes["rows"] == PACKED_ROWS
+    keys = [keys_per_token(b) for b in batches]
+    assert len(set(keys)) > 1, "the rows should differ, or this test shows nothing"
+    assert shapes["keys_per_token"] == round(sum(keys) / len(keys))
+    model = random_target(job.target_config, torch.device("cpu"), torch.float32, 0)
+    flops = [prefill_flops(model, 64, False, list(job.plan.layer_ids), k) for k in keys]
+    prefill = next(r for r in report["rows"] if r["role"] == "target")
+    assert prefill["tflop_per_step"] == round(sum(flops) / len(flops) / 1e12, 2)
+    assert "8 packed rows" in format_report(report)
