@@ -234,6 +234,9 @@ class Bench:
         if plan.packing:
             prepare_packing(self.target, self.device, self.dtype)
         self.tokens = sum(int(b.lengths.sum()) for b in self.batches) / len(self.batches)  # real tokens per micro-batch
+        # the attention work of the rows every role cycles over, as their means: both FLOP counts are linear in them
+        self.keys_per_token = sum(map(keys_per_token, self.batches)) / len(self.batches)
+        self.anchor_context = sum(map(anchor_context, self.batches)) / len(self.batches)
 
     def positions(self, batch: MicroBatch) -> torch.Tensor | None:
         """What the prefill takes: a packed batch's position ids, else none (as training)."""
@@ -273,9 +276,8 @@ class Bench:
         seconds /= self.accumulation
         if name == self.profile:
             self.profile_table = profile_table(step, self.device)
-        context = sum(anchor_context(b) for b in self.batches) / len(self.batches)
         flops = self.micro * drafter_flops(trainer.drafter.config, self.seq_len, self.job.plan.num_anchors,
-                                           self.head.vocab_size, context)
+                                           self.head.vocab_size, self.anchor_context)
         after = compile_counts()
         result = {
             "role": "drafter",
@@ -314,9 +316,8 @@ class Bench:
                 target.prefill(ids, self.topk, positions)
 
         seconds = timed(every_batch, self.steps, self.device) / len(inputs)
-        layer_ids = list(self.job.plan.layer_ids)
-        flops = self.micro * sum(prefill_flops(self.model, self.seq_len, bool(self.topk), layer_ids, keys_per_token(b))
-                                 for b in self.batches) / len(self.batches)
+        flops = self.micro * prefill_flops(self.model, self.seq_len, bool(self.topk), list(self.job.plan.layer_ids),
+                                           self.keys_per_token)
         return {
             "role": "target",
             "mode": name,
@@ -439,8 +440,7 @@ def run_bench(
             "kl_topk": plan.topk, "dtype": str(bench.dtype).removeprefix("torch."), "accumulation": accumulation,
             "packing": plan.packing, "padding": bench.padding, "tokens_per_micro_batch": bench.tokens,
             "rows": len(bench.batches),
-            "keys_per_token": round(sum(map(keys_per_token, bench.batches)) / len(bench.batches)),
-            "anchor_context": round(sum(map(anchor_context, bench.batches)) / len(bench.batches)),
+            "keys_per_token": round(bench.keys_per_token), "anchor_context": round(bench.anchor_context),
             "layer_types": drafter.layer_types, "sliding_window": drafter.sliding_window,
         },
         "peak_tflops": peak_tflops,

@@ -141,9 +141,10 @@ def assert_main_thread() -> None:
 
 def _count_recording(args: CallbackArgs) -> None:
     """Counts every CUDA graph that CUDAGraph Trees records. After warmup a recording is
-    a re-recording: a graph's static input (a parameter, a buffer) moved, or the tensors
-    alive between graphs changed, and the step stalls about 0.1 s for the capture (seen
-    on the H200 at the first micro-step of every other DFlash2 optimizer step)."""
+    a re-recording: a graph's static input moved, or the tensors alive between graphs
+    changed, and the step stalls 0.1-0.2 s for the capture (on the H200, the backward
+    after every optimizer step until the block indices came through
+    :class:`FixedAddresses`)."""
     if args.callback_trigger == CallbackTrigger.CUDAGRAPH_RECORDING:
         counters["dflash"]["cudagraph_recordings"] += 1
 
