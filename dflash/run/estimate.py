@@ -275,6 +275,10 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
         # the decoding copy of the drafter that evaluations while training run (rank 0; all, to be safe)
         target_gib["evaluation drafter"] = drafter_params * dtype_bytes / GIB
     queries = micro * plan.num_anchors * plan.block_size
+    # Under CUDA graphs the step's graph copies the context features into its own input
+    # buffer (they arrive at a new address every micro-batch), beside the bundle's copy.
+    feature_copies = 2 if cuda_plan and job.cfg.compile.mode == "reduce-overhead" else 1
+    kv = drafter_cfg.num_key_value_heads * drafter_cfg.head_dim
     drafter_gib = {
         # fp32 master weights and gradient buffers; under autocast also the bf16 compute weights
         # (dflash.step.compute_copy). The linear layers' backward adds into the buffers: no
@@ -282,12 +286,15 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
         "weights and gradients": (4 + 4 + (dtype_bytes if cuda_plan else 0)) * drafter_params / GIB,
         "AdamW state": 8 * drafter_params / GIB,
         "frozen embedding and LM head": head_params * dtype_bytes / GIB,
-        # per query token and layer: projections, attention output, norms, the MLP's three
-        # inputs; the context's K/V; one loss chunk's logits and their gradient, counted as fp32
-        # (compiled they are bf16; eager keeps fp32 copies)
-        "activations": queries * drafter_cfg.num_layers * (6 * h + 3 * drafter_cfg.intermediate_size) * dtype_bytes / GIB
-        + seq_len * micro * (plan.feature_dim + 2 * drafter_cfg.num_key_value_heads * drafter_cfg.head_dim
-                             * drafter_cfg.num_layers) * dtype_bytes / GIB
+        # Saved for the backward, as measured on the H200 at Qwen3-8B shapes (BENCHMARKS.md,
+        # "The drafter's memory at long context"): per query token and layer 9h + 3i values
+        # (projections, q/k norms and rotations, attention output, the MLP's three inputs);
+        # per context token the features (twice under CUDA graphs), 3h for the projected
+        # context and its norms, and each layer's K/V. Then one loss chunk's logits and their
+        # gradient, counted as fp32 (compiled they are bf16; eager keeps fp32 copies).
+        "activations": queries * drafter_cfg.num_layers * (9 * h + 3 * drafter_cfg.intermediate_size) * dtype_bytes / GIB
+        + seq_len * micro * (feature_copies * plan.feature_dim + 3 * h + 2 * kv * drafter_cfg.num_layers)
+        * dtype_bytes / GIB
         + 2 * min(plan.chunk_size, queries) * text.vocab_size * 4 / GIB,
     }
     target_rate, drafter_rate, rates_from = _rates(job, t_flops, d_flops, cuda_plan)

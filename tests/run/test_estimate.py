@@ -133,3 +133,22 @@ def test_estimate_device_plans_a_gpu_run_from_a_machine_without_one():
         assert planned(None).target_gib == cpu.target_gib
     with pytest.raises(ValueError, match="estimate.device='tpu'"):
         planned("tpu")
+
+
+# The drafter step's most allocated memory on one H200 plus its AdamW state (7.81 GiB, made
+# after the warmup's peak), Qwen3-8B shapes, packed synthetic rows, 4 sliding layers (window
+# 2,048) and one full, reduce-overhead (BENCHMARKS.md, "The drafter's memory at long context").
+MEASURED_DRAFTER_GIB = {(65536, 5461): 90.95, (32768, 5461): 86.98, (16384, 5461): 84.99, (32768, 2730): 56.62,
+                        (8192, 1365): 38.42}
+
+
+@pytest.mark.parametrize(("max_len", "anchors"), list(MEASURED_DRAFTER_GIB))
+def test_the_drafter_ranks_memory_is_planned_within_a_few_percent_above_the_h200s(max_len, anchors):
+    swa = ["drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]",
+           "drafter.sliding_window=2048"]
+    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", "train.packing=true",
+                                    "train.buckets=null", "estimate.device=cuda", "data=synthetic",
+                                    "data.mean_length=4500", f"train.max_len={max_len}", f"train.num_anchors={anchors}",
+                                    *swa]))
+    planned = sum(estimate(job, 1, 0).drafter_gib.values())
+    assert 1.0 <= planned / MEASURED_DRAFTER_GIB[max_len, anchors] <= 1.06
