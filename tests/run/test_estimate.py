@@ -152,3 +152,14 @@ def test_the_drafter_ranks_memory_is_planned_within_a_few_percent_above_the_h200
                                     *swa]))
     planned = sum(estimate(job, 1, 0).drafter_gib.values())
     assert 1.0 <= planned / MEASURED_DRAFTER_GIB[max_len, anchors] <= 1.06
+
+
+def test_a_colocated_rank_holds_one_working_set_at_a_time():
+    """The prefill's activations are freed before the drafter step starts: a colocated rank
+    needs both models' state and the larger working set, not their sum."""
+    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", "estimate.device=cuda"]))
+    e = estimate(job, 1, 0)
+    state = e.target_gib["weights"] + sum(v for k, v in e.drafter_gib.items() if k != "activations")
+    working = max(e.target_gib["activations"], e.drafter_gib["activations"])
+    assert sum(e.colocated_gib.values()) == pytest.approx(state + working)
+    assert e.drafter_gib["activations"] > e.target_gib["activations"] > 0
