@@ -34,10 +34,14 @@ H200_GIB = 139.8  # usable memory of one H200 as torch reports it
 # H200 (the CUDA-graph pool and fragmentation of a 64k drafter step, BENCHMARKS.md), so a rank
 # may plan on this share of its device.
 USABLE_SHARE = 0.9
-# Utilisation measured on one H200 at the Qwen3-8B shapes (BENCHMARKS.md, 2026-11-30): the
-# compiled prefill and the reduce-overhead drafter step. Rates for other shapes follow from
-# their FLOPs at the same utilisation, unless a `dflash.bench` report is given.
-MEASURED_MFU = {"target": 0.796, "drafter": 0.727}
+# Rates on one H200 at the Qwen3-8B shapes, fitted to the bench's rows from 768 to 32k tokens
+# (BENCHMARKS.md, seventh session; each row within 0.1%): each role's matmuls at a share of the
+# peak, and its attention, whose kernels run slower, per visible (query, key) pair at a rate of its
+# own: SDPA's causal kernel for rows of one sample, flex attention for packed rows, and the
+# drafter's flex attention forward and backward. Other shapes follow from their FLOPs at these
+# rates, unless a `dflash.bench` report is given.
+MATMUL_MFU = {"target": 0.808, "drafter": 0.777}
+ATTENTION_FLOPS = {"causal": 537e12, "packed": 312e12, "drafter": 247e12}
 PEAK_FLOPS = 790e12
 
 
@@ -57,6 +61,17 @@ def sliding_keys(d: DrafterConfig, context: float) -> float:
     return (sum(min(d.sliding_window, context + slot + 1) for slot in range(d.block_size)) + ahead) / d.block_size
 
 
+def drafter_attention_flops(d: DrafterConfig, seq_len: int, num_anchors: int, context: float | None = None) -> float:
+    """The attention part of :func:`drafter_flops`, forward and backward: each block query
+    over its anchor's ``context`` positions and its block in a full layer, over
+    :func:`sliding_keys` in a sliding one."""
+    q, tq = d.num_attention_heads * d.head_dim, num_anchors * d.block_size
+    full_layers = d.attention_types.count(FULL)
+    context = (seq_len - d.block_size) / 2 if context is None else context
+    return (12 * q * (context + d.block_size) * tq * full_layers
+            + 12 * q * sliding_keys(d, context) * tq * (d.num_layers - full_layers))
+
+
 def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: int,
                   context: float | None = None) -> float:
     """Training FLOPs of one row, counted as in docs/DESIGN.md section 6, attention over the
@@ -67,16 +82,12 @@ def drafter_flops(d: DrafterConfig, seq_len: int, num_anchors: int, vocab_size: 
     q = d.num_attention_heads * d.head_dim
     attention_linear, mlp = h * q * 2 + h * kv * 2, 3 * h * d.intermediate_size
     tq = num_anchors * d.block_size
-    full_layers = d.attention_types.count(FULL)
-    context = (seq_len - d.block_size) / 2 if context is None else context
-    return dflash2_flops(d, num_anchors) + (
+    return dflash2_flops(d, num_anchors) + drafter_attention_flops(d, seq_len, num_anchors, context) + (
         6 * attention_linear * d.num_layers * tq
         + 6 * mlp * ((d.num_layers - 1) * tq + num_anchors * (d.block_size - 1))
         + 6 * (2 * h * kv) * d.num_layers * seq_len
         + 4 * (len(d.target_layer_ids) * h * h) * seq_len
         + 4 * h * vocab_size * num_anchors * (d.block_size - 1)
-        + 12 * q * (context + d.block_size) * tq * full_layers
-        + 12 * q * sliding_keys(d, context) * tq * (d.num_layers - full_layers)
     )
 
 
@@ -101,23 +112,35 @@ def dflash2_flops(d: DrafterConfig, num_anchors: int) -> float:
     )
 
 
+def _prefill_layers(model: torch.nn.Module, with_head: bool, layer_ids: list[int]) -> int:
+    """How many decoder layers a prefill runs: all with the LM head, else up to the last
+    captured one (``Target.prefill``)."""
+    return len(decoder_layers(model)) if with_head else max(layer_ids) + 1
+
+
+def prefill_attention_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int],
+                            keys_per_token: float | None = None) -> float:
+    """The attention part of :func:`prefill_flops`: causal attention over ``keys_per_token``
+    keys on average (:func:`keys_per_token`; ``None``: ``(S + 1)/2``, one sample filling the
+    row) in every layer that runs."""
+    text = model.config.get_text_config()
+    q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    keys = (seq_len + 1) / 2 if keys_per_token is None else keys_per_token
+    return _prefill_layers(model, with_head, layer_ids) * 4 * q * seq_len * keys
+
+
 def prefill_flops(model: torch.nn.Module, seq_len: int, with_head: bool, layer_ids: list[int],
                   keys_per_token: float | None = None) -> float:
     """Inference FLOPs of one row over the decoder layers that run: 2 x params x tokens
-    plus causal attention over ``keys_per_token`` keys on average (:func:`keys_per_token`;
-    ``None``: ``(S + 1)/2``, one sample filling the row). Without the LM head the prefill
+    plus the attention (:func:`prefill_attention_flops`). Without the LM head the prefill
     stops after the last captured layer (``Target.prefill``); with it, every layer and the
     head run."""
     text = model.config.get_text_config()
-    layers = decoder_layers(model)
-    run = len(layers) if with_head else max(layer_ids) + 1
-    params = sum(active_params(layer, text) for layer in layers[:run])
+    params = sum(active_params(layer, text)
+                 for layer in decoder_layers(model)[:_prefill_layers(model, with_head, layer_ids)])
     if with_head:
         params += model.get_output_embeddings().weight.numel()
-    q = text.num_attention_heads * (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    keys = (seq_len + 1) / 2 if keys_per_token is None else keys_per_token
-    attention = run * 4 * q * seq_len * keys
-    return 2 * params * seq_len + attention
+    return 2 * params * seq_len + prefill_attention_flops(model, seq_len, with_head, layer_ids, keys_per_token)
 
 
 def anchor_context(batch: MicroBatch) -> float:
@@ -230,17 +253,30 @@ def _device_gib(job: Job) -> float:
     return H200_GIB
 
 
-def _rates(job: Job, target_flops: float, drafter_flops_: float, cuda_plan: bool) -> tuple[float, float, str]:
+def seconds_per_row(flops: float, attention_flops: float, role: str, attention: str) -> float:
+    """A row's time on one H200 at the measured rates: its matmuls at ``role``'s share of the
+    peak (:data:`MATMUL_MFU`) and its ``attention_flops`` at ``attention``'s rate
+    (:data:`ATTENTION_FLOPS`)."""
+    return (flops - attention_flops) / (MATMUL_MFU[role] * PEAK_FLOPS) + attention_flops / ATTENTION_FLOPS[attention]
+
+
+def _rates(job: Job, target: tuple[float, float], drafter: tuple[float, float], cuda_plan: bool
+           ) -> tuple[float, float, str]:
+    """Samples/s of one target rank and one drafter rank, from each role's FLOPs and their
+    attention part per sample."""
     path = job.cfg.estimate.rates
     if path:
         rates = bench_rates(json.loads(Path(path).read_text()))
         return rates["target_samples_per_s"], rates["drafter_samples_per_s"], f"measured in {path}"
     if not cuda_plan:
         return math.nan, math.nan, ""
-    target = MEASURED_MFU["target"] * PEAK_FLOPS / target_flops
-    drafter = MEASURED_MFU["drafter"] * PEAK_FLOPS / drafter_flops_
-    measured = f"{MEASURED_MFU['target']:.1%} prefill, {MEASURED_MFU['drafter']:.1%} drafter"
-    return target, drafter, f"the MFU measured on one H200 ({measured}) at these FLOPs"
+    prefill = "packed" if job.plan.packing else "causal"
+    target_rate = 1 / seconds_per_row(*target, "target", prefill)
+    drafter_rate = 1 / seconds_per_row(*drafter, "drafter", "drafter")
+    rates = (f"matmuls at {MATMUL_MFU['target']:.1%} of peak in the prefill, {MATMUL_MFU['drafter']:.1%} in the "
+             f"drafter step; attention at {ATTENTION_FLOPS[prefill] / 1e12:.0f} and "
+             f"{ATTENTION_FLOPS['drafter'] / 1e12:.0f} TFLOP/s")
+    return target_rate, drafter_rate, f"the rates measured on one H200 ({rates}) at these FLOPs"
 
 
 def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None = None) -> Estimate:
@@ -261,7 +297,9 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
     seq_len = plan.padded_len
     context, keys, attention_from = packed_attention(job)
     t_flops = prefill_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids), keys)
+    t_attention = prefill_attention_flops(target, seq_len, bool(plan.topk), list(plan.layer_ids), keys)
     d_flops = drafter_flops(drafter_cfg, seq_len, plan.num_anchors, text.vocab_size, context)
+    d_attention = drafter_attention_flops(drafter_cfg, seq_len, plan.num_anchors, context)
     k = job.tensor_parallel
     if k > 1 and world_size == 1:
         raise TopologyError(f"target.tensor_parallel={k} needs at least {k + 1} ranks (estimate.nproc, or torchrun)")
@@ -311,7 +349,7 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
         * dtype_bytes / GIB
         + 2 * min(plan.chunk_size, queries) * text.vocab_size * 4 / GIB,
     }
-    target_rate, drafter_rate, rates_from = _rates(job, t_flops, d_flops, cuda_plan)
+    target_rate, drafter_rate, rates_from = _rates(job, (t_flops, t_attention), (d_flops, d_attention), cuda_plan)
     return Estimate(
         world_size, num_targets, auto, target_params, drafter_params, head_params, bundle, plan.micro_per_step,
         target_gib, drafter_gib, _device_gib(job), t_flops, d_flops, target_rate, drafter_rate, rates_from, k,

@@ -11,14 +11,18 @@ import torch
 
 from dflash.data.bundle import flatten, random_batch, random_prefill
 from dflash.model.drafter import DrafterConfig
-from dflash.run.build import build_job
+from dflash.run.build import build_job, meta_models
 from dflash.run.config import compose_config
 from dflash.run.estimate import (
     Estimate,
+    drafter_attention_flops,
     drafter_flops,
     estimate,
     faster_split_barred_by_batch,
     format_options,
+    prefill_attention_flops,
+    prefill_flops,
+    seconds_per_row,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,3 +167,36 @@ def test_a_colocated_rank_holds_one_working_set_at_a_time():
     working = max(e.target_gib["activations"], e.drafter_gib["activations"])
     assert sum(e.colocated_gib.values()) == pytest.approx(state + working)
     assert e.drafter_gib["activations"] > e.target_gib["activations"] > 0
+
+
+# Rows measured on one H200 by `dflash.bench` (BENCHMARKS.md): overrides, micro-batch, the rows'
+# mean keys per prefill token or anchor context (packed rows; None: one sample per row), ms per row.
+QWEN3_8B_ROWS = ["target=qwen3_8b", "target.path=random", "train=paper", "train.buckets=null"]
+REFERENCE = ["train.max_len=768", "train.num_anchors=256"]
+PACKED = ["train.packing=true", "data=synthetic", "data.mean_length=4500"]
+MEASURED_PREFILLS = [([], 1, None, 68.06), (REFERENCE, 4, None, 64.38),
+                     (PACKED + ["train.max_len=8192", "train.num_anchors=1365"], 1, 2663.59, 207.32),
+                     (PACKED + ["train.max_len=32768", "train.num_anchors=5461"], 1, 2880.00, 842.68)]
+MEASURED_DRAFTER_STEPS = [([], 1, None, 123.07), (REFERENCE, 4, None, 224.82),
+                          (PACKED + ["train.max_len=32768", "train.num_anchors=5461"], 1, 3165.19, 1457.0)]
+
+
+@pytest.mark.parametrize(("overrides", "micro", "keys", "ms"), MEASURED_PREFILLS)
+def test_the_planned_prefill_time_is_the_h200s(overrides, micro, keys, ms):
+    job = build_job(compose_config(QWEN3_8B_ROWS + overrides))
+    target, _ = meta_models(job)
+    args = (target, job.plan.max_len, False, list(job.plan.layer_ids), keys)
+    attention = "packed" if keys else "causal"
+    planned = micro * seconds_per_row(prefill_flops(*args), prefill_attention_flops(*args), "target", attention)
+    assert 1e3 * planned == pytest.approx(ms, rel=0.02)
+
+
+@pytest.mark.parametrize(("overrides", "micro", "context", "ms"), MEASURED_DRAFTER_STEPS)
+def test_the_planned_drafter_step_time_is_the_h200s(overrides, micro, context, ms):
+    job = build_job(compose_config(QWEN3_8B_ROWS + overrides))
+    _, drafter = meta_models(job)
+    vocab = job.target_config.get_text_config().vocab_size
+    args = (drafter.config, job.plan.max_len, job.plan.num_anchors)
+    flops = drafter_flops(*args, vocab, context)
+    planned = micro * seconds_per_row(flops, drafter_attention_flops(*args, context), "drafter", "drafter")
+    assert 1e3 * planned == pytest.approx(ms, rel=0.02)
