@@ -385,8 +385,8 @@ def choose_layout(options: list[Estimate]) -> Estimate:
     """The layout with the most predicted samples/s among those that fit; colocated on a tie."""
     fastest = sorted(options, key=lambda e: (e.samples_per_s, e.colocated), reverse=True)
     fitting = [e for e in fastest if fits(e)]
-    if not fitting:
-        check_fits(fastest[0])  # raises, with what the fastest layout needs and the keys to change
+    if not fitting:  # raises, for the layout that comes nearest to fitting: its keys are the ones to change
+        check_fits(min(options, key=rank_gib))
     return fitting[0]
 
 
@@ -469,6 +469,15 @@ def resolve_targets(job: Job, options: list[Estimate]) -> int:
     return choose_layout(options).num_targets
 
 
+# What lowers each kind of rank's memory, for the message that refuses a plan
+MEMORY_KEYS = {
+    "drafter": "lower train.num_anchors, train.micro_batch_size or loss.chunk_size",
+    "target": "shard the target over more ranks (target.tensor_parallel) or lower train.micro_batch_size",
+    "colocated": "lower train.num_anchors, train.micro_batch_size or loss.chunk_size, or give each model ranks of "
+                 "its own (topology.mode=disaggregated, two or more GPUs)",
+}
+
+
 def check_fits(e: Estimate) -> None:
     """Raise :class:`PlanError` if a rank's estimate exceeds its device's :data:`USABLE_SHARE`."""
     sides = [("drafter", e.drafter_gib), ("target", e.target_gib)]
@@ -481,8 +490,7 @@ def check_fits(e: Estimate) -> None:
             raise PlanError(
                 f"a {role} rank needs an estimated {total:.1f} GiB, over the {usable:.1f} GiB it may plan on "
                 f"({USABLE_SHARE:.0%} of its device's {e.device_gib:.1f} GiB, the rest left to the allocator); "
-                "lower train.micro_batch_size, train.num_anchors or loss.chunk_size, or give the target more ranks "
-                "(topology.target_ranks); estimate.device_gib sets the device size"
+                f"{MEMORY_KEYS[role]}; estimate.device_gib sets the device size"
             )
 
 

@@ -15,11 +15,14 @@ from dflash.run.build import build_job, meta_models
 from dflash.run.config import compose_config
 from dflash.run.estimate import (
     Estimate,
+    PlanError,
+    choose_layout,
     drafter_attention_flops,
     drafter_flops,
     estimate,
     faster_split_barred_by_batch,
     format_options,
+    layout_options,
     prefill_attention_flops,
     prefill_flops,
     seconds_per_row,
@@ -200,3 +203,16 @@ def test_the_planned_drafter_step_time_is_the_h200s(overrides, micro, context, m
     flops = drafter_flops(*args, vocab, context)
     planned = micro * seconds_per_row(flops, drafter_attention_flops(*args, context), "drafter", "drafter")
     assert 1e3 * planned == pytest.approx(ms, rel=0.02)
+
+
+def test_a_plan_that_fits_nowhere_is_refused_for_the_layout_nearest_to_fitting():
+    """At 64k with the paper's anchor density no layout of 8 H200s fits: the refusal names
+    the drafter rank of a split (152 GiB), not the colocated rank (168 GiB), and the keys
+    that shrink a drafter rank."""
+    swa = ["drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]",
+           "drafter.sliding_window=2048"]
+    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", "train.packing=true",
+                                    "train.buckets=null", "estimate.device=cuda", "data=synthetic",
+                                    "data.mean_length=4500", "train.max_len=65536", "train.num_anchors=10922", *swa]))
+    with pytest.raises(PlanError, match=r"a drafter rank needs an estimated 15\d\.\d GiB.*lower train.num_anchors"):
+        choose_layout(layout_options(job, 8))
