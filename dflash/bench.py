@@ -261,7 +261,7 @@ class Bench:
         optimizer. Per-sample figures divide by the micro-batches of the call."""
         trainer, warm, before = self.warmed_trainer(mode)
         feature_dim = trainer.drafter.fc.in_features
-        # one for every batch: all have one shape, and the drafter's work does not depend on the values
+        # one prefill serves every batch: all have one shape, and the drafter's work does not depend on the values
         prefill = random_prefill(self.micro, self.seq_len, feature_dim, self.dtype, self.topk, self.head.vocab_size,
                                  self.device)
         calls = iter(range(10**9))

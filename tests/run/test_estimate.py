@@ -142,6 +142,19 @@ def test_estimate_device_plans_a_gpu_run_from_a_machine_without_one():
         planned("tpu")
 
 
+QWEN3_8B_ROWS = ["target=qwen3_8b", "target.path=random", "train=paper", "train.buckets=null"]
+REFERENCE = ["train.max_len=768", "train.num_anchors=256"]
+PACKED = ["train.packing=true", "data=synthetic", "data.mean_length=4500"]
+SWA = ["drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]",
+       "drafter.sliding_window=2048"]
+
+
+def long_context_job(max_len: int, anchors: int):
+    """A GPU plan of Qwen3-8B shapes, packed rows of the synthetic mix, 4 sliding layers and one full."""
+    return build_job(compose_config([*QWEN3_8B_ROWS, *PACKED, "estimate.device=cuda", f"train.max_len={max_len}",
+                                     f"train.num_anchors={anchors}", *SWA]))
+
+
 # The drafter step's most allocated memory on one H200 plus its AdamW state (7.81 GiB, made
 # after the warmup's peak), Qwen3-8B shapes, packed synthetic rows, 4 sliding layers (window
 # 2,048) and one full, reduce-overhead (BENCHMARKS.md, "The drafter's memory at long context").
@@ -151,13 +164,7 @@ MEASURED_DRAFTER_GIB = {(65536, 5461): 90.95, (32768, 5461): 86.98, (16384, 5461
 
 @pytest.mark.parametrize(("max_len", "anchors"), list(MEASURED_DRAFTER_GIB))
 def test_the_drafter_ranks_memory_is_planned_within_a_few_percent_above_the_h200s(max_len, anchors):
-    swa = ["drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]",
-           "drafter.sliding_window=2048"]
-    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", "train.packing=true",
-                                    "train.buckets=null", "estimate.device=cuda", "data=synthetic",
-                                    "data.mean_length=4500", f"train.max_len={max_len}", f"train.num_anchors={anchors}",
-                                    *swa]))
-    planned = sum(estimate(job, 1, 0).drafter_gib.values())
+    planned = sum(estimate(long_context_job(max_len, anchors), 1, 0).drafter_gib.values())
     assert 1.0 <= planned / MEASURED_DRAFTER_GIB[max_len, anchors] <= 1.06
 
 
@@ -174,9 +181,6 @@ def test_a_colocated_rank_holds_one_working_set_at_a_time():
 
 # Rows measured on one H200 by `dflash.bench` (BENCHMARKS.md): overrides, micro-batch, the rows'
 # mean keys per prefill token or anchor context (packed rows; None: one sample per row), ms per row.
-QWEN3_8B_ROWS = ["target=qwen3_8b", "target.path=random", "train=paper", "train.buckets=null"]
-REFERENCE = ["train.max_len=768", "train.num_anchors=256"]
-PACKED = ["train.packing=true", "data=synthetic", "data.mean_length=4500"]
 MEASURED_PREFILLS = [([], 1, None, 68.06), (REFERENCE, 4, None, 64.38),
                      (PACKED + ["train.max_len=8192", "train.num_anchors=1365"], 1, 2663.59, 207.32),
                      (PACKED + ["train.max_len=32768", "train.num_anchors=5461"], 1, 2880.00, 842.68)]
@@ -209,10 +213,6 @@ def test_a_plan_that_fits_nowhere_is_refused_for_the_layout_nearest_to_fitting()
     """At 64k with the paper's anchor density no layout of 8 H200s fits: the refusal names
     the drafter rank of a split (152 GiB), not the colocated rank (168 GiB), and the keys
     that shrink a drafter rank."""
-    swa = ["drafter.layer_types=[sliding_attention,sliding_attention,sliding_attention,sliding_attention,full_attention]",
-           "drafter.sliding_window=2048"]
-    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", "train.packing=true",
-                                    "train.buckets=null", "estimate.device=cuda", "data=synthetic",
-                                    "data.mean_length=4500", "train.max_len=65536", "train.num_anchors=10922", *swa]))
+    job = long_context_job(65536, 10922)
     with pytest.raises(PlanError, match=r"a drafter rank needs an estimated 15\d\.\d GiB.*lower train.num_anchors"):
         choose_layout(layout_options(job, 8))
