@@ -140,8 +140,11 @@ def draft_hidden(drafter: DFlashDrafter, head: TargetHead, cache: SlotCache, row
             hidden.append(drafter(context, head.embed(block), torch.arange(drop, r.p, device=device)[None],
                                   (r.p + offsets)[None]))
         return torch.cat(hidden)
-    index = torch.tensor([r.slot for r in rows], device=device)
     columns = slice(0, cache.used)  # no row holds a column beyond
+    if [r.slot for r in rows] == list(range(cache.slots)):  # every slot in order: views, not copies
+        index: torch.Tensor | slice = slice(None)
+    else:
+        index = torch.tensor([r.slot for r in rows], device=device)
     context = cached_context(drafter, [t[index, columns] for t in cache.drafter_kv])
     valid, ctx_positions = cache.valid[index, columns], cache.positions[index, columns]
     block = torch.full((len(rows), block_size), mask_token_id, dtype=torch.long, device=device)
@@ -195,9 +198,11 @@ def prefill(target_model: nn.Module, drafter: DFlashDrafter | None, indices: lis
 
 def prefill_groups(prompts: Sequence[torch.Tensor], indices: list[int], tokens: int) -> list[list[int]]:
     """``indices`` in groups whose padded prefill (count x longest) stays within ``tokens``
-    (a prompt longer than that alone): one decoding slice stays short."""
+    (a prompt longer than that alone): one decoding slice stays short. Shortest first, so
+    that a forward holds prompts of like length: 64 random prompts of 64-512 tokens (19.6k
+    tokens) pad to 31.7k in arrival order and to 24.4k sorted."""
     groups: list[list[int]] = []
-    for i in indices:
+    for i in sorted(indices, key=lambda k: prompts[k].shape[1]):
         group = groups[-1] if groups else None
         if group and (len(group) + 1) * max(prompts[k].shape[1] for k in [*group, i]) <= tokens:
             group.append(i)
@@ -310,6 +315,7 @@ def speculative_batch_steps(
         record((yield from refill(rows, cache, pending, free, prompts, start, max_new_tokens, eos_ids)))
         if not rows:
             continue
+        rows.sort(key=lambda r: r.slot)  # a full batch then reads its drafter context in place (draft_hidden)
         hidden = draft_hidden(drafter, head, cache, rows, cfg.mask_token_id, block_size)
         drafts, draft_logits = propose_rows(drafter, head, hidden[:, 1:], rows, temperature)
         last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)

@@ -331,6 +331,32 @@ def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
     assert got == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
+def test_grouped_attention_on_cuda_equals_the_float64_math(additive, dtype):
+    """The fused CUDA path of grouped attention (SDPA over the stacked query rows, as
+    decoding runs it) against its float64 arithmetic on the CPU, at a verification's shape:
+    ragged masks, four query heads per key/value head, a query that sees nothing."""
+    from dflash.decode.speculative import decoding_attention
+    from dflash.model.attention import grouped_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 16, 128, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 320, 128, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(3, 1, 16, 320, generator=g) < 0.3
+    mask[1, 0, 5] = False
+    if additive:
+        mask[1, 0, 5, 0] = True
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    expected = grouped_attention(q, k, v, mask.double() if additive else mask)
+    with decoding_attention():
+        got = grouped_attention(*(t.to("cuda", dtype) for t in (q, k, v)), mask.cuda()).double().cpu()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    if not additive:
+        assert torch.equal(got[1, :, 5], torch.zeros_like(got[1, :, 5]))
+
+
 def test_top_k_of_rows_equals_topk_at_the_lm_heads_width():
     """The DFlash2 candidates' search over segments, on bf16 logits of a 152k vocabulary
     (where ties are common), eager and compiled: ``topk``'s values, at ids holding them."""
