@@ -41,6 +41,8 @@ from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handl
 from torch._dynamo.utils import counters
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from dflash import flex
+
 log = logging.getLogger(__name__)
 
 
@@ -52,6 +54,7 @@ class CompileSettings:
     mode: str | None  # only for the inductor backend
     strict: bool
     warmup_turns: int
+    attention: str = "triton"  # flex attention's kernels: "flash" (FlashAttention-4) or "triton" (Inductor's)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -80,6 +83,7 @@ def resolve_settings(c: Mapping, device: torch.device, num_buckets: int) -> Comp
     if int(turns) < 1:
         raise ValueError(f"compile.warmup_turns={turns} must be >= 1 or auto")
     use_cache_dir(c["cache_dir"])
+    attention = resolve_attention(c.get("attention", "auto"), device)
     # The loss is a custom autograd.Function whose forward and backward are pure
     # tensor code traced into the graph that keys the cache, so caching it is
     # sound; without this, ranks that warm up later re-trace instead of loading.
@@ -96,7 +100,34 @@ def resolve_settings(c: Mapping, device: torch.device, num_buckets: int) -> Comp
         mode=mode,
         strict=bool(c["strict"]),
         warmup_turns=int(turns),
+        attention=attention,
     )
+
+
+ATTENTION_KERNELS = ("auto", "flash", "triton")
+
+
+def resolve_attention(setting: str, device: torch.device) -> str:
+    """``compile.attention`` for ``device``: ``flash`` runs every flex attention call on
+    FlashAttention-4's kernels (:func:`dflash.flex.use_flash_kernels`), ``triton`` on
+    Inductor's; ``auto`` is flash where they can run. Off CUDA nothing runs flex attention
+    (the CPU trains under a dense mask), so the setting only names the kernels a plan's
+    rates are for there: auto is triton. ``flash`` on a GPU where they cannot run is an
+    error naming the reason."""
+    if setting not in ATTENTION_KERNELS:
+        raise ValueError(f"compile.attention={setting!r} must be one of {', '.join(ATTENTION_KERNELS)}")
+    if device.type != "cuda":
+        return "triton" if setting == "auto" else setting
+    why = flex.flash_unsupported(device)
+    if setting == "flash" and why:
+        raise ValueError(f"compile.attention=flash: FlashAttention-4's kernels cannot run here: {why}. "
+                         "Use compile.attention=auto or triton")
+    if setting == "auto":
+        setting = "triton" if why else "flash"
+    if setting == "flash":
+        flex.use_flash_kernels()
+    log.info("flex attention kernels: %s%s", setting, f" ({why})" if why else "")
+    return setting
 
 
 def persistent_cache_dir() -> str:

@@ -1,5 +1,6 @@
-"""Flex attention ``BlockMask``s built without a sort, for the drafter's training mask
-(:mod:`dflash.objective.masks`) and the target's packed rows (:mod:`dflash.model.target`).
+"""Flex attention for the drafter's training mask (:mod:`dflash.objective.masks`) and the
+target's packed rows (:mod:`dflash.model.target`): ``BlockMask``s built without a sort, and
+the choice of kernel every flex call runs (:func:`kernel_options`).
 
 ``create_block_mask`` orders block indices with an argsort, which torch <= 2.12 compiles
 into a Triton sort kernel that took 154 s of the 207 s cold compile at Qwen3-8B shapes
@@ -9,16 +10,92 @@ order from a cumulative sum.
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
+
+if TYPE_CHECKING:
+    import sympy
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 BLOCK = 128  # flex attention's tile, in queries and keys
 # a BlockMask's block-index tensors, in the order of its constructor's keywords
 INDICES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
            "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+# The ``kernel_options`` of every flex attention call in this process: None runs Inductor's
+# Triton kernels, {"BACKEND": "FLASH"} FlashAttention-4's (:func:`use_flash_kernels`).
+_kernel_options: dict[str, str] | None = None
+
+
+def kernel_options() -> dict[str, str] | None:
+    """What every flex attention call of this process passes as ``kernel_options``."""
+    return _kernel_options
+
+
+def flash_unsupported(device: torch.device) -> str | None:
+    """Why FlashAttention-4's flex kernels (flex attention's ``FLASH`` backend, CuteDSL) cannot
+    run on ``device``; None where they can."""
+    if device.type != "cuda":
+        return "they run on CUDA devices only"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"{torch.cuda.get_device_name(device)} is compute capability {major}.{minor}; they need 9.x or 10.x"
+    try:
+        found = importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # no flash_attn package at all
+        found = False
+    if not found:
+        return "the flash-attn-4 package is not installed (pip install 'dflash[flash]')"
+    return None
+
+
+def use_flash_kernels() -> None:
+    """Run every flex attention call of this process, the drafter's and the packed prefill's,
+    on FlashAttention-4's kernels. On one H200 at Qwen3-8B heads they ran the packed prefill's
+    attention 1.4-1.6x and the drafter's forward and backward 1.9x as fast as Inductor's
+    Triton kernels, within bf16 rounding of them (BENCHMARKS.md).
+
+    Two changes to Inductor come with them. Graph partitioning is off: torch 2.11's
+    partitions left the mask's captured tensors (the anchors) out of the inputs of the
+    partition that runs the FLASH backward, which then failed at its first call under CUDA
+    graphs; without partitions the step is still one CUDA graph per direction. And torch
+    2.11's CuteDSL code generator gains ``index_expr`` (:func:`_add_cutedsl_index_expr`)."""
+    import torch._inductor.config
+
+    global _kernel_options
+    _add_cutedsl_index_expr()
+    torch._inductor.config.graph_partition = False
+    _kernel_options = {"BACKEND": "FLASH"}
+
+
+def _add_cutedsl_index_expr() -> None:
+    """An index expression as a scalar of the generated CuteDSL kernel. The FLASH template
+    lowers a mask that compares positions through it; torch 2.11's ``CuteDSLOpOverrides``
+    lacks it (later versions have their own, which is kept)."""
+    import sympy
+    from torch._inductor.codegen.cutedsl.cutedsl_op_overrides import CuteDSLOpOverrides
+    from torch._inductor.utils import get_bounds_index_expr
+    from torch._inductor.virtualized import V
+
+    if "index_expr" in vars(CuteDSLOpOverrides):
+        return
+
+    def index_expr(expr: sympy.Expr, dtype: torch.dtype):
+        if isinstance(expr, (int, sympy.Integer)):
+            return CuteDSLOpOverrides.constant(int(expr), dtype)
+        kernel = V.kernel
+        scalar = kernel.cse.generate(kernel.body, kernel.kexpr(kernel.rename_indexing(expr)),
+                                     bounds=get_bounds_index_expr(expr), dtype=dtype)
+        scalar.is_scalar_expr = True
+        scalar.index_expr = V.graph.sizevars.simplify(expr)
+        return scalar
+
+    CuteDSLOpOverrides.index_expr = staticmethod(index_expr)
 
 
 def ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash.flex import kernel_options
 from dflash.model.attention import grouped_attention
 from dflash.model.linear import Linear
 from dflash.model.selector import CandidateSelector, GroupedCausalConv
@@ -297,7 +298,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask) -> tor
     """
     if isinstance(mask, BlockMask):
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
-        return flex(q, k, v, block_mask=mask, enable_gqa=True)
+        return flex(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=kernel_options())
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     return grouped_attention(q, k, v, mask)

@@ -29,7 +29,7 @@ from transformers import (
 
 from dflash.compile import CompileSettings
 from dflash.files import local_path
-from dflash.flex import packed_causal_block_mask
+from dflash.flex import kernel_options, packed_causal_block_mask
 from dflash.model.drafter import TargetHead
 from dflash.topk import top_k_of_rows
 
@@ -206,14 +206,19 @@ class Target:
         model honours them. Under flex attention (:meth:`attend_packed_with_flex`) the
         block mask is handed over ready-made."""
         self._capturing = True
+        extra = {}
         if position_ids is None:
             masks = self._masks
+        elif self._packed_block_masks:
+            masks = packed_causal_block_mask(position_ids)
+            if kernel_options():  # only this mask: HF's own capture a symbolic length, which FLASH refuses
+                extra["kernel_options"] = kernel_options()
         else:
-            masks = packed_causal_block_mask(position_ids) if self._packed_block_masks else None
+            masks = None
         try:
             if topk:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=masks, use_cache=False,
-                                 logits_to_keep=0)
+                                 logits_to_keep=0, **extra)
                 # the bf16 logits' own top-k, widened after: the same values as a float32
                 # copy's (the cast is exact), without the [b, S, V] float32 copy
                 rows = out.logits.shape[:2]
@@ -225,7 +230,7 @@ class Target:
                 self._stop_after = max(self.layer_ids)
                 try:
                     decoder(self.model)(input_ids=input_ids, position_ids=position_ids, attention_mask=masks,
-                                        use_cache=False)
+                                        use_cache=False, **extra)
                 except _AllCaptured:
                     pass
                 values = indices = None

@@ -38,10 +38,13 @@ USABLE_SHARE = 0.9
 # (BENCHMARKS.md, seventh session; each row within 0.1%): each role's matmuls at a share of the
 # peak, and its attention, whose kernels run slower, per visible (query, key) pair at a rate of its
 # own: SDPA's causal kernel for rows of one sample, flex attention for packed rows, and the
-# drafter's flex attention forward and backward. Other shapes follow from their FLOPs at these
-# rates, unless a `dflash.bench` report is given.
+# drafter's flex attention forward and backward. Flex attention on FlashAttention-4's kernels
+# (`compile.attention=flash`) has rates of its own, fitted to the same rows run both ways on one
+# H200 (BENCHMARKS.md, ninth session). Other shapes follow from their FLOPs at these rates,
+# unless a `dflash.bench` report is given.
 MATMUL_MFU = {"target": 0.808, "drafter": 0.777}
-ATTENTION_FLOPS = {"causal": 537e12, "packed": 312e12, "drafter": 247e12}
+ATTENTION_FLOPS = {"causal": 537e12, "packed": 312e12, "drafter": 247e12,
+                   "packed flash": 412e12, "drafter flash": 419e12}
 PEAK_FLOPS = 790e12
 
 
@@ -270,12 +273,13 @@ def _rates(job: Job, target: tuple[float, float], drafter: tuple[float, float], 
         return rates["target_samples_per_s"], rates["drafter_samples_per_s"], f"measured in {path}"
     if not cuda_plan:
         return math.nan, math.nan, ""
-    prefill = "packed" if job.plan.packing else "causal"
+    flash = " flash" if job.compile.attention == "flash" else ""
+    prefill = "packed" + flash if job.plan.packing else "causal"
     target_rate = 1 / seconds_per_row(*target, "target", prefill)
-    drafter_rate = 1 / seconds_per_row(*drafter, "drafter", "drafter")
+    drafter_rate = 1 / seconds_per_row(*drafter, "drafter", "drafter" + flash)
     rates = (f"matmuls at {MATMUL_MFU['target']:.1%} of peak in the prefill, {MATMUL_MFU['drafter']:.1%} in the "
              f"drafter step; attention at {ATTENTION_FLOPS[prefill] / 1e12:.0f} and "
-             f"{ATTENTION_FLOPS['drafter'] / 1e12:.0f} TFLOP/s")
+             f"{ATTENTION_FLOPS['drafter' + flash] / 1e12:.0f} TFLOP/s{' on FlashAttention-4' if flash else ''}")
     return target_rate, drafter_rate, f"the rates measured on one H200 ({rates}) at these FLOPs"
 
 

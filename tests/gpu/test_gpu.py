@@ -10,6 +10,7 @@ from helpers import flat_grads, tiny_drafter, tiny_head
 from torch.nn.attention.flex_attention import flex_attention
 
 import dflash.model.drafter as drafter_module
+from dflash import flex
 from dflash.compile import CompileGuard, CompileSettings
 from dflash.data.bundle import random_batch, random_prefill, to_device
 from dflash.distributed.protocol import free_port
@@ -116,10 +117,11 @@ def test_flex_backward_equals_dense_per_parameter_in_float32(anchors, hidden, mo
 
 
 def _trainer(drafter, settings, packed: bool = False, autocast: torch.dtype | None = torch.bfloat16):
+    hidden = drafter.config.hidden_size
     opt = build_optimizer(drafter, 1e-3, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
     obj = ObjectiveConfig(block_size=16, mask_token_id=95, gamma=7.0, kl_weight=0.3, chunk_size=256, packed=packed)
-    head = tiny_head(hidden=256).cuda()
+    head = tiny_head(hidden=hidden).cuda()
     return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, autocast, settings)
 
 
@@ -244,7 +246,7 @@ def test_host_batches_reach_the_gpu_without_waiting_for_its_queue():
     assert torch.cuda.current_stream().query(), "a pageable copy should have waited"
 
 
-def packed_micro_batches(count: int, seq_len: int = 256, seed: int = 0):
+def packed_micro_batches(count: int, seq_len: int = 256, seed: int = 0, hidden: int = 256):
     """Packed rows of several samples each, the boundaries moving from one micro-batch to
     the next as real packing moves them (same shapes, other values)."""
     g = torch.Generator().manual_seed(seed)
@@ -254,7 +256,7 @@ def packed_micro_batches(count: int, seq_len: int = 256, seed: int = 0):
         for r in range(2):
             cuts = sorted(torch.randint(16, seq_len - 16, (3,), generator=g).tolist())
             batch.position_ids[r] = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, seq_len])])
-        out.append((batch, random_prefill(2, seq_len, 768, torch.bfloat16, 4, 96, "cuda")))
+        out.append((batch, random_prefill(2, seq_len, 3 * hidden, torch.bfloat16, 4, 96, "cuda")))
     return out
 
 
@@ -262,12 +264,47 @@ def test_a_packed_sliding_step_replays_one_cuda_graph():
     """Packed rows with a sliding layer under reduce-overhead: the gradients and losses of
     eager steps over the dense mask, and after warmup no recompile and no CUDA-graph skip
     however the boundaries move."""
+    check_packed_sliding_steps(hidden=256)
+
+
+@pytest.fixture
+def flash_kernels(monkeypatch):
+    """Flex attention on FlashAttention-4's kernels for one test, as ``compile.attention=flash``
+    sets them (skipped where they cannot run); Inductor's settings are put back after."""
+    why = flex.flash_unsupported(torch.device("cuda"))
+    if why:
+        pytest.skip(f"FlashAttention-4's kernels cannot run here: {why}")
+    monkeypatch.setattr(torch._inductor.config, "graph_partition", torch._inductor.config.graph_partition)
+    monkeypatch.setattr(flex, "_kernel_options", flex.kernel_options())
+    flex.use_flash_kernels()
     torch._dynamo.reset()
-    base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16, **SLIDING_LAYER).cuda()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_packed_sliding_step_on_flash_kernels_replays_one_cuda_graph(flash_kernels):
+    """The same on FlashAttention-4's kernels (128-wide heads, which they support): the
+    dense eager reference's gradients and losses, one CUDA graph, no recompile."""
+    check_packed_sliding_steps(hidden=512)
+
+
+def test_a_packed_prefill_on_flash_kernels_keeps_samples_apart(flash_kernels):
+    from helpers import tiny_target
+
+    from dflash.model.target import Target
+
+    target = Target(tiny_target(num_layers=4, hidden=512).to("cuda", torch.bfloat16), [0, 2])
+    assert target.attend_packed_with_flex()
+    assert target.packing_error() < 0.05
+
+
+def check_packed_sliding_steps(hidden: int) -> None:
+    torch._dynamo.reset()
+    base = tiny_drafter(hidden=hidden, layer_ids=(1, 2, 3), block_size=16, **SLIDING_LAYER).cuda()
     settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
     eager, graphed = _trainer(copy.deepcopy(base), None, True), _trainer(copy.deepcopy(base), settings, True)
     eager.use_flex = False  # the reference: dense attention, eager
-    data = packed_micro_batches(9)
+    data = packed_micro_batches(9, hidden=hidden)
     for trainer in (eager, graphed):
         trainer.warmup([data[0]])
     guard = CompileGuard(strict=True)

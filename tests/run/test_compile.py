@@ -2,6 +2,7 @@
 equals the eager step, keeps one graph per length bucket, and accumulates correctly."""
 
 import copy
+import importlib.util
 import threading
 
 import pytest
@@ -238,3 +239,58 @@ def test_rope_tables_equal_the_formula_eager_and_compiled(dtype):
     compiled = torch.compile(lambda p: rope(p, dtype), backend="aot_eager", fullgraph=True)
     for got in (rope(positions, dtype), compiled(positions)):
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_the_attention_kernels_resolve_for_the_device(monkeypatch):
+    """``compile.attention``: off CUDA auto is triton and an explicit choice is kept (it names
+    the rates a dry run plans with); on a GPU auto is flash exactly where FlashAttention-4's
+    kernels can run, and flash where they cannot is refused with the reason."""
+    import dflash.compile as compile_module
+    from dflash import flex
+
+    switched = []
+    monkeypatch.setattr(flex, "use_flash_kernels", lambda: switched.append(True))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert compile_module.resolve_attention("auto", cpu) == "triton"
+    assert compile_module.resolve_attention("flash", cpu) == "flash" and not switched
+    with pytest.raises(ValueError, match="compile.attention='cute'"):
+        compile_module.resolve_attention("cute", cpu)
+
+    monkeypatch.setattr(flex, "flash_unsupported", lambda device: "the flash-attn-4 package is not installed")
+    assert compile_module.resolve_attention("auto", cuda) == "triton"
+    with pytest.raises(ValueError, match="flash-attn-4 package is not installed.*compile.attention=auto or triton"):
+        compile_module.resolve_attention("flash", cuda)
+    assert not switched
+
+    monkeypatch.setattr(flex, "flash_unsupported", lambda device: None)
+    assert compile_module.resolve_attention("triton", cuda) == "triton" and not switched
+    assert compile_module.resolve_attention("auto", cuda) == "flash" and switched == [True]
+
+
+def test_flash_kernels_cannot_run_off_cuda_or_without_the_package(monkeypatch):
+    from dflash import flex
+
+    assert "CUDA" in flex.flash_unsupported(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    assert "compute capability 8.0" in flex.flash_unsupported(torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    if importlib.util.find_spec("flash_attn") is None:
+        assert "flash-attn-4" in flex.flash_unsupported(torch.device("cuda"))
+
+
+def test_the_cutedsl_index_expression_is_added_only_where_torch_lacks_it(monkeypatch):
+    """torch 2.11's CuteDSL code generator has no ``index_expr``: one is added (an integer
+    becomes a literal of the kernel); a torch that has its own keeps it."""
+    import sympy
+    from torch._inductor.codegen.cutedsl.cutedsl_op_overrides import CuteDSLOpOverrides
+
+    from dflash import flex
+
+    own = vars(CuteDSLOpOverrides).get("index_expr")
+    flex._add_cutedsl_index_expr()
+    assert vars(CuteDSLOpOverrides).get("index_expr") is own
+    if own is not None:
+        monkeypatch.delattr(CuteDSLOpOverrides, "index_expr")
+    flex._add_cutedsl_index_expr()
+    assert CuteDSLOpOverrides.index_expr(sympy.Integer(3), torch.int32) == "3"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash.data.bundle import flatten, random_batch, random_prefill
+from dflash.flex import flash_unsupported
 from dflash.model.drafter import DrafterConfig
 from dflash.run.build import build_job, meta_models
 from dflash.run.config import compose_config
@@ -207,6 +208,50 @@ def test_the_planned_drafter_step_time_is_the_h200s(overrides, micro, context, m
     flops = drafter_flops(*args, vocab, context)
     planned = micro * seconds_per_row(flops, drafter_attention_flops(*args, context), "drafter", "drafter")
     assert 1e3 * planned == pytest.approx(ms, rel=0.02)
+
+
+# The same rows with flex attention on FlashAttention-4's kernels (`compile.attention=flash`), on
+# one H200: the packed prefills' ms per row, and the drafter steps' ms against the Triton kernels'
+# on the same machine (which ran the drafter 3-14% slower than the rows above).
+MEASURED_FLASH_PREFILLS = [(PACKED + ["train.max_len=8192", "train.num_anchors=1365"], 2663.59, 198.87),
+                           (PACKED + ["train.max_len=32768", "train.num_anchors=5461"], 2880.00, 799.87)]
+MEASURED_FLASH_DRAFTER_STEPS = [([], None, 134.14 / 140.41),
+                                (PACKED + ["train.max_len=8192", "train.num_anchors=1365"], 2920.0, 344.04 / 370.05)]
+
+
+@pytest.mark.parametrize(("overrides", "keys", "ms"), MEASURED_FLASH_PREFILLS)
+def test_the_planned_prefill_time_on_flash_kernels_is_the_h200s(overrides, keys, ms):
+    job = build_job(compose_config(QWEN3_8B_ROWS + overrides))
+    target, _ = meta_models(job)
+    args = (target, job.plan.max_len, False, list(job.plan.layer_ids), keys)
+    planned = seconds_per_row(prefill_flops(*args), prefill_attention_flops(*args), "target", "packed flash")
+    assert 1e3 * planned == pytest.approx(ms, rel=0.02)
+
+
+@pytest.mark.parametrize(("overrides", "context", "ratio"), MEASURED_FLASH_DRAFTER_STEPS)
+def test_the_planned_drafter_step_on_flash_kernels_gains_what_the_h200_measured(overrides, context, ratio):
+    job = build_job(compose_config(QWEN3_8B_ROWS + overrides))
+    _, drafter = meta_models(job)
+    args = (drafter.config, job.plan.max_len, job.plan.num_anchors)
+    flops = drafter_flops(*args, job.target_config.get_text_config().vocab_size, context)
+    attention = drafter_attention_flops(*args, context)
+    planned = seconds_per_row(flops, attention, "drafter", "drafter flash") / seconds_per_row(flops, attention, "drafter", "drafter")
+    assert planned == pytest.approx(ratio, abs=0.01)
+
+
+def test_a_plan_for_flash_kernels_predicts_their_rates():
+    """``compile.attention=flash`` (here on a machine without a GPU, as a dry run) plans the
+    packed rows at FlashAttention-4's rates and says so."""
+    if torch.cuda.is_available() and flash_unsupported(torch.device("cuda")):
+        pytest.skip("this GPU cannot run FlashAttention-4's kernels, so compile.attention=flash is refused here")
+
+    def planned(attention: str) -> Estimate:
+        return estimate(build_job(compose_config([*QWEN3_8B_ROWS, *PACKED, "estimate.device=cuda",
+                                                  f"compile.attention={attention}"])), 1, 0)
+
+    flash, triton = planned("flash"), planned("triton")
+    assert flash.target_rate > triton.target_rate and flash.drafter_rate > triton.drafter_rate
+    assert "FlashAttention-4" in flash.rates_from and "FlashAttention-4" not in triton.rates_from
 
 
 def test_a_plan_that_fits_nowhere_is_refused_for_the_layout_nearest_to_fitting():
