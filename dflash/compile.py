@@ -118,7 +118,7 @@ def resolve_attention(setting: str, device: torch.device) -> str:
         raise ValueError(f"compile.attention={setting!r} must be one of {', '.join(ATTENTION_KERNELS)}")
     if device.type != "cuda":
         return "triton" if setting == "auto" else setting
-    why = flex.flash_unsupported(device)
+    why = None if setting == "triton" else flex.flash_unsupported(device)
     if setting == "flash" and why:
         raise ValueError(f"compile.attention=flash: FlashAttention-4's kernels cannot run here: {why}. "
                          "Use compile.attention=auto or triton")

@@ -211,8 +211,9 @@ class Target:
             masks = self._masks
         elif self._packed_block_masks:
             masks = packed_causal_block_mask(position_ids)
-            if kernel_options():  # only this mask: HF's own capture a symbolic length, which FLASH refuses
-                extra["kernel_options"] = kernel_options()
+            options = kernel_options()
+            if options:  # only this mask: HF's own capture a symbolic length, which FLASH refuses
+                extra["kernel_options"] = options
         else:
             masks = None
         try:
