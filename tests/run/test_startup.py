@@ -1,5 +1,7 @@
 """The start-up line: each phase's seconds up to the end of the first step's training."""
 
+import sys
+
 from runs import run_colocated
 
 from dflash.run.checkpoint import CheckpointWriter
@@ -26,3 +28,14 @@ def test_the_first_step_ends_before_its_checkpoint_is_taken(tmp_path, monkeypatc
     run_colocated(tmp_path, ["train.max_steps=1"])
     assert events[-2:] == ["the first step", "save 1"]
     assert events[0] == "imports and the config" and "the compile warmup" in events
+
+
+def test_the_line_says_when_every_import_was_compiled_from_source(tmp_path, monkeypatch):
+    """Without bytecode to read or write, imports take more than twice as long: the
+    line names the cause and the remedy, and only then."""
+    monkeypatch.setattr(phases, "phases", [("imports and the config", 13.0)])
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert "compiled from source" not in phases.report()
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path))  # where no bytecode is cached
+    assert "PYTHONDONTWRITEBYTECODE" in phases.report()
