@@ -27,12 +27,14 @@ reboot.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch._functorch.config
@@ -83,6 +85,7 @@ def resolve_settings(c: Mapping, device: torch.device, num_buckets: int) -> Comp
     if int(turns) < 1:
         raise ValueError(f"compile.warmup_turns={turns} must be >= 1 or auto")
     use_cache_dir(c["cache_dir"])
+    torch.compiler.config.cache_key_tag = cache_key_tag()
     attention = resolve_attention(c.get("attention", "auto"), device)
     # The loss is a custom autograd.Function whose forward and backward are pure
     # tensor code traced into the graph that keys the cache, so caching it is
@@ -128,6 +131,22 @@ def resolve_attention(setting: str, device: torch.device) -> str:
         flex.use_flash_kernels()
     log.info("flex attention kernels: %s%s", setting, f" ({why})" if why else "")
     return setting
+
+
+# Where dflash defines its custom ops (package-relative); tests/run/test_compile.py checks the list.
+CUSTOM_OP_SOURCES = ("model/drafter.py", "model/linear.py", "objective/xent.py")
+
+
+def cache_key_tag(sources: tuple[str, ...] = CUSTOM_OP_SOURCES) -> str:
+    """The tag every compile-cache key takes (``torch.compiler.config.cache_key_tag``):
+    ``TORCH_COMPILE_CACHE_KEY_TAG`` if set, and a hash of the files that define dflash's
+    custom ops. Their fake implementations and autograd formulas (``sink_linear``'s
+    backward) are traced into the compiled graphs, but the caches key a graph on the op's
+    name alone: after an upgrade that changed one, a warm cache would hand back graphs of
+    the old code, a stale backward, silently. With the hash, they compile afresh."""
+    root = Path(__file__).parent
+    digest = hashlib.sha256(b"".join((root / s).read_bytes() for s in sources)).hexdigest()[:16]
+    return "+".join(t for t in (os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", ""), f"dflash-ops-{digest}") if t)
 
 
 def persistent_cache_dir() -> str:

@@ -4,11 +4,13 @@ equals the eager step, keeps one graph per length bucket, and accumulates correc
 import copy
 import importlib.util
 import threading
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import flat_grads, tiny_drafter, tiny_head
 from test_step import BS, batch, split
+from torch._library.custom_ops import OPDEFS
 
 from dflash.compile import (
     CompileGuard,
@@ -294,3 +296,41 @@ def test_the_cutedsl_index_expression_is_added_only_where_torch_lacks_it(monkeyp
         monkeypatch.delattr(CuteDSLOpOverrides, "index_expr")
     flex._add_cutedsl_index_expr()
     assert CuteDSLOpOverrides.index_expr(sympy.Integer(3), torch.int32) == "3"
+
+
+def test_every_custom_op_of_dflash_is_hashed_into_the_cache_key():
+    """The compile caches key a graph on a custom op's name alone, while its fake and its
+    autograd formula are traced into the graph: each op's source file must be among the
+    files :func:`cache_key_tag` hashes, or an upgrade that changed it would be served the
+    old graphs."""
+    import dflash
+    import dflash.run.build  # imports every module a training run compiles
+    from dflash.compile import CUSTOM_OP_SOURCES
+
+    root = Path(dflash.__file__).parent
+    defined = {Path(op._init_fn.__code__.co_filename).relative_to(root).as_posix()
+               for name, op in OPDEFS.items() if name.startswith("dflash::")}
+    assert len(defined) >= 3 and defined <= set(CUSTOM_OP_SOURCES)
+
+
+def test_the_cache_key_tag_follows_the_ops_source_and_keeps_the_users(tmp_path, monkeypatch):
+    import dflash.compile as compile_module
+
+    (tmp_path / "ops.py").write_text("def backward(): return 1\n")
+    monkeypatch.setattr(compile_module, "__file__", str(tmp_path / "compile.py"))
+    monkeypatch.delenv("TORCH_COMPILE_CACHE_KEY_TAG", raising=False)
+    before = compile_module.cache_key_tag(("ops.py",))
+    (tmp_path / "ops.py").write_text("def backward(): return 2\n")
+    after = compile_module.cache_key_tag(("ops.py",))
+    assert before.startswith("dflash-ops-") and before != after
+    monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", "mine")
+    assert compile_module.cache_key_tag(("ops.py",)) == f"mine+{after}"
+
+
+def test_resolving_the_settings_sets_the_tag():
+    from dflash.compile import cache_key_tag, resolve_settings
+
+    settings = {"enabled": True, "mode": None, "backend": "aot_eager", "target": False, "strict": False,
+                "warmup_turns": 1, "cache_dir": None, "attention": "auto"}
+    resolve_settings(settings, torch.device("cpu"), 1)
+    assert torch.compiler.config.cache_key_tag == cache_key_tag()
