@@ -121,7 +121,7 @@ def test_the_input_gradient_gemm_runs_only_for_an_input_that_needs_it(input_grad
 
 def test_dynamo_records_the_layer_as_one_op():
     """Traced as one node per call, not as an autograd.Function's forward and backward
-    subgraphs: that was 28% of Dynamo's tracing of the drafter steps on the CPU."""
+    subgraphs: that was half of Dynamo's tracing of the drafter steps on the CPU."""
     torch._dynamo.reset()
     lin = layer(torch.bfloat16)
     graphs = []
