@@ -21,6 +21,7 @@ from dflash.objective.anchors import (
     sample_generator,
 )
 from dflash.objective.masks import build_mask
+from dflash.run.checkpoint import HostBuffers, snapshot
 from dflash.run.step import (
     DrafterTrainer,
     ObjectiveConfig,
@@ -244,6 +245,22 @@ def test_host_batches_reach_the_gpu_without_waiting_for_its_queue():
     torch.cuda._sleep(2_000_000_000)
     batch.input_ids.to("cuda")
     assert torch.cuda.current_stream().query(), "a pageable copy should have waited"
+
+
+def test_checkpoint_buffers_of_gpu_tensors_are_page_locked_then_released():
+    """The snapshot a step waits for is one queued copy into page-locked memory; the pages
+    are unlocked again when the writer is done (those of host tensors are never locked)."""
+    state = {"w": torch.randn(1000, 333, device="cuda"), "step": torch.tensor(3, device="cuda"), "host": torch.ones(7)}
+    host = HostBuffers(state).pin()
+    assert host.state["w"].is_pinned() and host.state["step"].is_pinned() and not host.state["host"].is_pinned()
+    torch.cuda._sleep(2_000_000_000)
+    host.state["w"].copy_(state["w"], non_blocking=True)
+    assert not torch.cuda.current_stream().query(), "the copy into locked pages should not wait for the GPU"
+    copied = snapshot(state, host.state)
+    for name, tensor in state.items():
+        assert torch.equal(copied[name], tensor.cpu())
+    host.release()
+    assert not host.state["w"].is_pinned() and host.pinned == []
 
 
 def packed_micro_batches(count: int, seq_len: int = 256, seed: int = 0, hidden: int = 256):

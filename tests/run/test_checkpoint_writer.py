@@ -9,14 +9,19 @@ import pytest
 import torch
 from helpers import tiny_drafter
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dflash.model.drafter import DFlashDrafter
 from dflash.run.checkpoint import (
+    PAGE,
     CheckpointMismatch,
     CheckpointWriter,
+    HostBuffers,
     checkpoints,
     load_checkpoint,
     save_checkpoint,
+    snapshot,
+    state_of,
 )
 
 
@@ -53,6 +58,26 @@ def test_a_checkpoint_holds_its_step_while_training_runs_past_it(tmp_path: Path)
         torch.testing.assert_close(v, at_save[k], rtol=0, atol=0)
     assert r_scheduler.last_epoch == 1 and r_optimizer.state_dict()["state"][0]["step"] == 1
     assert not list(tmp_path.glob(".tmp_*"))
+
+
+def test_host_buffers_hold_the_state_each_tensor_on_its_own_pages():
+    """One allocation carved per tensor at page boundaries: a tensor's pages are locked on
+    their own, so no two tensors may share a page; scalars and empty tensors included."""
+    model, optimizer, scheduler = trainee()
+    train_step(model, optimizer, scheduler)
+    state = state_of(model, optimizer, scheduler, 1)
+    state["extra"] = {"empty": torch.empty(0, 3), "scalar": torch.tensor(2.5, dtype=torch.float64),
+                      "flags": torch.tensor([True, False])}
+    host = HostBuffers(state)
+    copied = snapshot(state, host.state)
+    leaves, buffers, outs = ([t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)] for tree in (state, host.state, copied))
+    for original, buffer, out in zip(leaves, buffers, outs, strict=True):
+        assert out is buffer and buffer.dtype == original.dtype and buffer.shape == original.shape
+        torch.testing.assert_close(buffer, original, rtol=0, atol=0)
+    starts = sorted(b.data_ptr() for b in buffers if b.numel())
+    assert all(p % PAGE == 0 for p in starts) and len(set(starts)) == len(starts)
+    assert host.pin().pinned == []  # nothing on a GPU, nothing to lock
+    host.release()
 
 
 def test_a_failed_write_is_raised_at_the_next_save(tmp_path: Path):
