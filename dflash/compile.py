@@ -85,7 +85,7 @@ def resolve_settings(c: Mapping, device: torch.device, num_buckets: int) -> Comp
     if int(turns) < 1:
         raise ValueError(f"compile.warmup_turns={turns} must be >= 1 or auto")
     use_cache_dir(c["cache_dir"])
-    torch.compiler.config.cache_key_tag = cache_key_tag()
+    use_cache_key_tag(cache_key_tag())
     attention = resolve_attention(c.get("attention", "auto"), device)
     # The loss is a custom autograd.Function whose forward and backward are pure
     # tensor code traced into the graph that keys the cache, so caching it is
@@ -137,16 +137,32 @@ def resolve_attention(setting: str, device: torch.device) -> str:
 CUSTOM_OP_SOURCES = ("model/drafter.py", "model/linear.py", "objective/xent.py")
 
 
+TAG_VARIABLE = "TORCH_COMPILE_CACHE_KEY_TAG"
+
+
 def cache_key_tag(sources: tuple[str, ...] = CUSTOM_OP_SOURCES) -> str:
     """The tag every compile-cache key takes (``torch.compiler.config.cache_key_tag``):
-    ``TORCH_COMPILE_CACHE_KEY_TAG`` if set, and a hash of the files that define dflash's
-    custom ops. Their fake implementations and autograd formulas (``sink_linear``'s
-    backward) are traced into the compiled graphs, but the caches key a graph on the op's
-    name alone: after an upgrade that changed one, a warm cache would hand back graphs of
-    the old code, a stale backward, silently. With the hash, they compile afresh."""
+    ``TORCH_COMPILE_CACHE_KEY_TAG`` if set (less the part :func:`use_cache_key_tag` put
+    there), and a hash of the files that define dflash's custom ops. Their fake
+    implementations and autograd formulas (``sink_linear``'s backward) are traced into the
+    compiled graphs, but the caches key a graph on the op's name alone: after an upgrade
+    that changed one, a warm cache would hand back graphs of the old code, a stale
+    backward, silently. With the hash, they compile afresh."""
     root = Path(__file__).parent
     digest = hashlib.sha256(b"".join((root / s).read_bytes() for s in sources)).hexdigest()[:16]
-    return "+".join(t for t in (os.environ.get("TORCH_COMPILE_CACHE_KEY_TAG", ""), f"dflash-ops-{digest}") if t)
+    users = [t for t in os.environ.get(TAG_VARIABLE, "").split("+") if t and not t.startswith("dflash-ops-")]
+    return "+".join([*users, f"dflash-ops-{digest}"])
+
+
+def use_cache_key_tag(tag: str) -> None:
+    """Key every compile cache with ``tag``, in this process and in Inductor's compile
+    workers. The workers are processes of their own that read the tag from the
+    environment, and the Triton autotune cache files each kernel's best config under a
+    key that includes it: a worker without the tag files it where this process never
+    looks, so every warm launch benchmarked those kernels again (4.1 s of a 21 s warm
+    launch at the paper shapes on an H200). The pool starts at the first compile, after this."""
+    torch.compiler.config.cache_key_tag = tag
+    os.environ[TAG_VARIABLE] = tag
 
 
 def persistent_cache_dir() -> str:

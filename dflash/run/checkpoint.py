@@ -137,7 +137,10 @@ def _to_host(state, into):
         fits = isinstance(into, torch.Tensor) and into.shape == state.shape and into.dtype == state.dtype
         if not fits:  # pageable: pinning costs more than one copy saves (a save before prepare())
             return state.detach().to("cpu", copy=True)
-        return into.copy_(state.detach(), non_blocking=into.is_pinned())
+        # Queued where ``into`` is page-locked (``is_pinned`` knows only the caching host
+        # allocator's blocks, not pages locked with cudaHostRegister), done before the call
+        # returns where it is pageable; snapshot() waits for the stream either way.
+        return into.copy_(state.detach(), non_blocking=True)
     if isinstance(state, dict):
         into = into if isinstance(into, dict) else {}
         return {k: _to_host(v, into.get(k)) for k, v in state.items()}

@@ -247,20 +247,37 @@ def test_host_batches_reach_the_gpu_without_waiting_for_its_queue():
     assert torch.cuda.current_stream().query(), "a pageable copy should have waited"
 
 
+HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
+def page_locked(t: torch.Tensor) -> bool:
+    """Whether the driver holds ``t``'s pages locked: registering them again says so
+    (``Tensor.is_pinned`` knows only the caching host allocator's blocks)."""
+    cudart = torch.cuda.cudart()
+    error = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if error == cudart.cudaError.success:
+        cudart.cudaHostUnregister(t.data_ptr())
+        return False
+    assert int(error) == HOST_MEMORY_ALREADY_REGISTERED, cudart.cudaGetErrorString(error)
+    return True
+
+
 def test_checkpoint_buffers_of_gpu_tensors_are_page_locked_then_released():
     """The snapshot a step waits for is one queued copy into page-locked memory; the pages
     are unlocked again when the writer is done (those of host tensors are never locked)."""
     state = {"w": torch.randn(1000, 333, device="cuda"), "step": torch.tensor(3, device="cuda"), "host": torch.ones(7)}
     host = HostBuffers(state).pin()
-    assert host.state["w"].is_pinned() and host.state["step"].is_pinned() and not host.state["host"].is_pinned()
+    assert page_locked(host.state["w"]) and page_locked(host.state["step"]) and not page_locked(host.state["host"])
     torch.cuda._sleep(2_000_000_000)
     host.state["w"].copy_(state["w"], non_blocking=True)
     assert not torch.cuda.current_stream().query(), "the copy into locked pages should not wait for the GPU"
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)
     copied = snapshot(state, host.state)
     for name, tensor in state.items():
         assert torch.equal(copied[name], tensor.cpu())
     host.release()
-    assert not host.state["w"].is_pinned() and host.pinned == []
+    assert not page_locked(host.state["w"]) and host.pinned == []
 
 
 def packed_micro_batches(count: int, seq_len: int = 256, seed: int = 0, hidden: int = 256):

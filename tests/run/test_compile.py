@@ -3,6 +3,8 @@ equals the eager step, keeps one graph per length bucket, and accumulates correc
 
 import copy
 import importlib.util
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -327,10 +329,25 @@ def test_the_cache_key_tag_follows_the_ops_source_and_keeps_the_users(tmp_path, 
     assert compile_module.cache_key_tag(("ops.py",)) == f"mine+{after}"
 
 
-def test_resolving_the_settings_sets_the_tag():
-    from dflash.compile import cache_key_tag, resolve_settings
+def test_resolving_the_settings_sets_the_tag_for_the_compile_workers_too(monkeypatch):
+    """Inductor's compile workers are fresh processes: the Triton autotune cache keys a
+    kernel's best config with the tag, so a worker must compute the key this process
+    reads, or every warm launch benchmarks the kernels again. Resolving twice (a second
+    run in one process) keeps one tag, not the tag appended to itself."""
+    from torch._inductor.runtime.autotune_cache import AutotuneCache
 
+    from dflash.compile import TAG_VARIABLE, cache_key_tag, resolve_settings
+
+    monkeypatch.setenv(TAG_VARIABLE, "mine")
     settings = {"enabled": True, "mode": None, "backend": "aot_eager", "target": False, "strict": False,
                 "warmup_turns": 1, "cache_dir": None, "attention": "auto"}
     resolve_settings(settings, torch.device("cpu"), 1)
-    assert torch.compiler.config.cache_key_tag == cache_key_tag()
+    tag = torch.compiler.config.cache_key_tag
+    assert tag == cache_key_tag() and tag.startswith("mine+dflash-ops-")
+    resolve_settings(settings, torch.device("cpu"), 1)
+    assert torch.compiler.config.cache_key_tag == tag
+    worker = subprocess.run(
+        [sys.executable, "-c", "from torch._inductor.runtime.autotune_cache import AutotuneCache as A; "
+         "print(A._prepare_key('triton_kernel.py'))"],
+        capture_output=True, text=True, check=True)
+    assert worker.stdout.strip() == AutotuneCache._prepare_key("triton_kernel.py")
