@@ -346,8 +346,6 @@ def test_resolving_the_settings_sets_the_tag_for_the_compile_workers_too(monkeyp
     assert tag == cache_key_tag() and tag.startswith("mine+dflash-ops-")
     resolve_settings(settings, torch.device("cpu"), 1)
     assert torch.compiler.config.cache_key_tag == tag
-    worker = subprocess.run(
-        [sys.executable, "-c", "from torch._inductor.runtime.autotune_cache import AutotuneCache as A; "
-         "print(A._prepare_key('triton_kernel.py'))"],
-        capture_output=True, text=True, check=True)
+    code = "from torch._inductor.runtime.autotune_cache import AutotuneCache as A; print(A._prepare_key('triton_kernel.py'))"
+    worker = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert worker.stdout.strip() == AutotuneCache._prepare_key("triton_kernel.py")
