@@ -13,9 +13,9 @@ import pytest
 from chat_templates import FAMILIES, Family, assistant, user
 from helpers import tiny_drafter, tiny_target, word_tokenizer
 
-import dflash.decode.speculative as speculative
 from dflash.data.dataset import turn_tokens
 from dflash.data.template import encode, render, reply_end_ids
+from dflash.decode import batch, speculative
 from dflash.decode.speculative import DecodeSettings, evaluate
 from dflash.model.drafter import TargetHead
 from dflash.model.target import TargetSource
@@ -71,12 +71,14 @@ def decoding_site(monkeypatch, model, tokenizer, prompts, kwargs: dict, outputs:
         return next(out for ids, out in seen if ids == prompt_ids[0].tolist())
         yield
 
-    monkeypatch.setattr(speculative, "speculative_steps", scripted)
-    monkeypatch.setattr(speculative, "greedy_steps", greedy)
+    # The per-prompt loops (batch_size=1), where the batched decoding calls them.
+    monkeypatch.setattr(batch, "speculative_steps", scripted)
+    monkeypatch.setattr(batch, "greedy_steps", greedy)
     drafter = tiny_drafter(vocab=len(tokenizer))
     report = evaluate(model, tokenizer, drafter, TargetHead.of(model), prompts=prompts,
-                      settings=DecodeSettings(max_new_tokens=1000, template_kwargs=kwargs))
+                      settings=DecodeSettings(max_new_tokens=1000, template_kwargs=kwargs, batch_size=1))
     assert report["lossless"] is True and report["prompts"] == len(prompts)
+    assert len(seen) == len(prompts), "the scripted target was not the one decoding"
     return seen
 
 
