@@ -41,6 +41,14 @@ def read_records(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def starts(output_dir: Path) -> list[int]:
+    """The step each start of the run began at (its data record's step): ``[0, 4]`` for a
+    run resumed from its step-4 checkpoint. Training is deterministic and a fresh start
+    empties ``metrics.jsonl``, so a restart that ignored the checkpoints and trained from
+    step 0 again would log the same steps and losses as an exact resume."""
+    return [r["step"] for r in read_records(output_dir) if "data/samples" in r]
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     """The optimizer steps' records."""
     return [r for r in read_records(output_dir) if "loss" in r]

@@ -11,6 +11,7 @@ from runs import (
     run_colocated,
     run_data_parallel,
     run_disaggregated,
+    starts,
 )
 
 STEPS = ["train.max_steps=8", "checkpoint.every=4", "checkpoint.keep=10"]
@@ -41,6 +42,7 @@ def test_resume_from_a_disaggregated_run_continues_exactly(colocated, tmp_path):
     for late in ("export", "checkpoints/step_00000008"):
         shutil.rmtree(tmp_path / late)
     run_data_parallel(tmp_path, 2, STEPS)
+    assert starts(tmp_path) == [0, 4]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [r["loss"] for r in records] == pytest.approx(colocated, rel=1e-5, abs=1e-6)

@@ -5,7 +5,7 @@ import json
 import shutil
 
 import pytest
-from runs import read_metrics, run_colocated, run_disaggregated
+from runs import read_metrics, run_colocated, run_disaggregated, starts
 
 from dflash.model.export import load_export
 
@@ -41,6 +41,7 @@ def test_packed_losses_match_on_two_ranks_and_after_a_resume(colocated, tmp_path
     shutil.rmtree(tmp_path / "export")
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000006")
     run_disaggregated(tmp_path, 2, 1, PACKED)
+    assert starts(tmp_path) == [0, 3]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 7))
     assert [r["loss"] for r in records] == pytest.approx(straight, rel=1e-6, abs=1e-6)

@@ -5,7 +5,7 @@ import logging
 import shutil
 
 import pytest
-from runs import read_metrics, read_records, run_colocated, run_disaggregated
+from runs import read_metrics, read_records, run_colocated, run_disaggregated, starts
 
 from dflash.run.metrics import MetricsLogger
 
@@ -34,6 +34,7 @@ def test_resume_on_another_split_continues_exactly(straight, tmp_path, first, th
     run_disaggregated(tmp_path, *first, STEPS)
     forget_after_step_4(tmp_path)
     run_disaggregated(tmp_path, *then, STEPS)
+    assert starts(tmp_path) == [0, 4]
     records = read_metrics(tmp_path)
     assert [r["step"] for r in records] == list(range(1, 9))
     assert [r["loss"] for r in records] == pytest.approx(straight, rel=1e-6, abs=1e-6)

@@ -15,6 +15,7 @@ from runs import (
     read_records,
     run_colocated,
     run_disaggregated,
+    starts,
 )
 from safetensors.torch import load_file
 
@@ -57,6 +58,7 @@ def test_resume_is_exact(tmp_path):
     shutil.rmtree(halves / "export")
     shutil.rmtree(halves / "checkpoints" / "step_00000008")
     run_colocated(halves, ["train.max_steps=8", "checkpoint.every=4", "resume=auto"])
+    assert starts(halves) == [0, 4]
     a = [r["loss"] for r in read_metrics(straight)]
     b = [r["loss"] for r in read_metrics(halves)]
     assert a == b
