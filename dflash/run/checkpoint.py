@@ -190,6 +190,33 @@ def write_checkpoint(root: Path, state: dict, keep: int, drafter: dict | None = 
     return final
 
 
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds ``path``, or will once it is created."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def state_bytes(state: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, torch.Tensor))
+
+
+def check_disk(root: Path, needed: int, keep: int, warn: bool = False) -> None:
+    """Refuse a checkpoint the disk cannot hold before any of it is written, and with
+    ``warn`` say when the ``keep`` newest (one more while the next is written) would not
+    fit. A write that fills the disk would fail later, in the writer's thread, leaving
+    a temp directory behind."""
+    free, gib = free_bytes(root), 2**30
+    if free < needed:
+        raise OSError(f"a checkpoint of this drafter takes {needed / gib:.1f} GiB and {root} has {free / gib:.1f} GiB "
+                      "free: free some space, then resume=auto continues from the newest checkpoint, or set output_dir "
+                      "on a larger disk")
+    ahead = keep + 1 - len(checkpoints(root)) if root.is_dir() else keep + 1
+    if warn and keep > 0 and free < ahead * needed:
+        log.warning("checkpoint.keep=%d keeps up to %d checkpoints of %.1f GiB on disk while the next is written; %s "
+                    "has %.1f GiB free, so a later save will fail", keep, keep + 1, needed / gib, root, free / gib)
+
+
 def writes(group) -> bool:
     """Whether this rank writes its group's checkpoints (the first rank, or the only one)."""
     return group is None or dist.get_rank(group) == 0
@@ -237,18 +264,21 @@ class CheckpointWriter:
     def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
         if writes(self.group) and self.buffers is None and self.allocating is None:
-            self.allocating = self.pool.submit(lambda state: HostBuffers(state).pin(),
-                                               state_of(model, optimizer, scheduler, 0))
+            state = state_of(model, optimizer, scheduler, 0)
+            check_disk(self.root, state_bytes(state), self.keep, warn=True)
+            self.allocating = self.pool.submit(lambda state: HostBuffers(state).pin(), state)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
         if not writes(self.group):
             return
         self.wait()  # the previous write reads the buffers this snapshot fills
+        state = state_of(model, optimizer, scheduler, step)
+        check_disk(self.root, state_bytes(state), self.keep)
         if self.allocating is not None:
             self.host, self.allocating = self.allocating.result(), None
             self.buffers = self.host.state
-        self.buffers = snapshot(state_of(model, optimizer, scheduler, step), self.buffers)
+        self.buffers = snapshot(state, self.buffers)
         self.pending = self.pool.submit(write_checkpoint, self.root, self.buffers, self.keep, architecture(model))
 
     def wait(self) -> None:

@@ -2,6 +2,8 @@
 checkpoint holds the state of its step whatever trains after it, a failed write is
 raised, not lost; and a checkpoint of another drafter is refused."""
 
+import logging
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,15 +14,18 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from dflash.model.drafter import DFlashDrafter
+from dflash.run import checkpoint as checkpoint_module
 from dflash.run.checkpoint import (
     PAGE,
     CheckpointMismatch,
     CheckpointWriter,
     HostBuffers,
     checkpoints,
+    free_bytes,
     load_checkpoint,
     save_checkpoint,
     snapshot,
+    state_bytes,
     state_of,
 )
 
@@ -89,6 +94,42 @@ def test_a_failed_write_is_raised_at_the_next_save(tmp_path: Path):
     with pytest.raises(OSError, match="writing the checkpoint .*step_00000001 failed"):
         writer.save(2, model, optimizer, scheduler)
     writer.abandon()
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_any_of_it_is_written(tmp_path: Path, monkeypatch,
+                                                                                   caplog):
+    """After the first step the writer knows the state's size: no room for one checkpoint
+    stops the run there, saying what to do; no room for ``checkpoint.keep`` of them (one
+    more while the next is written) is a warning. A later save that no longer fits is
+    refused before a file is written."""
+    model, optimizer, scheduler = trainee()
+    train_step(model, optimizer, scheduler)
+    size = state_bytes(state_of(model, optimizer, scheduler, 0))
+    params = list(model.parameters())
+    assert size == sum(3 * p.numel() * 4 + 4 for p in params)  # weights, AdamW's two moments and step count
+    free = {"bytes": size - 1}
+    monkeypatch.setattr(checkpoint_module, "free_bytes", lambda path: free["bytes"])
+    root = tmp_path / "checkpoints"
+    writer = CheckpointWriter(root, keep=2)
+    with pytest.raises(OSError, match="has 0.0 GiB free: free some space, then resume=auto"):
+        writer.prepare(model, optimizer, scheduler)
+    free["bytes"] = 2 * size
+    with caplog.at_level(logging.WARNING):
+        writer.prepare(model, optimizer, scheduler)
+    assert "checkpoint.keep=2 keeps up to 3 checkpoints" in caplog.text
+    free["bytes"] = size - 1
+    with pytest.raises(OSError, match="GiB free"):
+        writer.save(1, model, optimizer, scheduler)
+    assert not root.exists()
+    free["bytes"] = 3 * size
+    writer.save(1, model, optimizer, scheduler)
+    writer.close()
+    writer.abandon()
+    assert [p.name for p in checkpoints(root)] == ["step_00000001"]
+
+
+def test_free_bytes_are_those_of_the_nearest_existing_folder(tmp_path: Path):
+    assert abs(free_bytes(tmp_path / "not" / "yet") - shutil.disk_usage(tmp_path).free) < 2**26
 
 
 def test_a_checkpoint_of_another_drafter_is_refused_not_resumed(tmp_path: Path):
