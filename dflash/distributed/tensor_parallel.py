@@ -16,6 +16,7 @@ drafters included, so the loading here hands it a mesh over the group instead.
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,26 @@ def group_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
 
 def distributed_config(group: dist.ProcessGroup) -> DistributedConfig:
     return DistributedConfig(tp_size=dist.get_world_size(group), tp_plan="auto")
+
+
+SINCE = (5, 23)  # the plan resolved for a mesh (_resolve_parallel_plans) and from_pretrained's hook as used here
+
+
+def transformers_unsupported(version: str | None = None) -> str | None:
+    """Why this transformers cannot shard a target, or None. The tensor-parallel API used
+    here arrived in 5.23; with an earlier one loading would fail deep inside transformers
+    (an attribute missing, a hook called with other arguments), on every rank of the group."""
+    import transformers  # the module now in sys.modules (a reload replaces it)
+
+    version = version or transformers.__version__
+    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) < SINCE:
+        return f"target.tensor_parallel needs transformers >= {'.'.join(map(str, SINCE))}, found {version}"
+    return None
+
+
+def check_transformers() -> None:
+    if why := transformers_unsupported():
+        raise ValueError(f"{why}: pip install -U transformers, or set target.tensor_parallel=1")
 
 
 def check_plan(model_class: type, config: PretrainedConfig) -> None:

@@ -74,6 +74,7 @@ def build_job(cfg: DictConfig) -> Job:
     k = int(cfg.target.get("tensor_parallel", 1))
     if k > 1:
         check_tensor_parallel(cfg, k)
+        tensor_parallel.check_transformers()
         tensor_parallel.check_heads(target_config, k)
         # the sharded layers run collectives inside; the prefill runs eager
         compile_settings = replace(compile_settings, target=False)

@@ -5,6 +5,7 @@ import json
 import pytest
 from runs import read_metrics, run_colocated, run_disaggregated
 
+from dflash.distributed.tensor_parallel import transformers_unsupported
 from dflash.distributed.topology import TopologyError
 from dflash.run.build import build_job
 from dflash.run.config import compose_config
@@ -33,4 +34,14 @@ def test_two_target_ranks_sharing_one_target_train_like_colocated(tmp_path):
 def test_what_a_sharded_target_cannot_do_is_refused(tmp_path, overrides, error):
     cfg = compose_config(["wandb.mode=disabled", "target.tensor_parallel=2", f"output_dir={tmp_path}", *overrides])
     with pytest.raises((TopologyError, ValueError), match=error):
+        build_job(cfg)
+
+
+def test_a_transformers_older_than_the_tensor_parallel_api_is_refused_before_loading(tmp_path, monkeypatch):
+    import transformers
+
+    assert transformers_unsupported("5.23.0") is None and transformers_unsupported("6.0.0.dev0") is None
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    cfg = compose_config(["wandb.mode=disabled", "target.tensor_parallel=2", f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"needs transformers >= 5\.23, found 5\.17\.0: pip install -U transformers"):
         build_job(cfg)

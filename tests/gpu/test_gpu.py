@@ -2,6 +2,7 @@
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -252,13 +253,23 @@ HOST_MEMORY_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 def page_locked(t: torch.Tensor) -> bool:
     """Whether the driver holds ``t``'s pages locked: registering them again says so
-    (``Tensor.is_pinned`` knows only the caching host allocator's blocks)."""
-    cudart = torch.cuda.cudart()
-    error = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if error == cudart.cudaError.success:
-        cudart.cudaHostUnregister(t.data_ptr())
+    (``Tensor.is_pinned`` knows only the caching host allocator's blocks). Asked from a
+    thread of its own: a refused registration stays that thread's last CUDA error, which
+    the next kernel launch on it would raise."""
+    cudart, answer = torch.cuda.cudart(), []
+
+    def probe() -> None:
+        error = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if error == cudart.cudaError.success:
+            cudart.cudaHostUnregister(t.data_ptr())
+        answer.append(error)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    thread.join()
+    if answer[0] == cudart.cudaError.success:
         return False
-    assert int(error) == HOST_MEMORY_ALREADY_REGISTERED, cudart.cudaGetErrorString(error)
+    assert int(answer[0]) == HOST_MEMORY_ALREADY_REGISTERED, cudart.cudaGetErrorString(answer[0])
     return True
 
 

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from runs import TINY, free_port, read_metrics, read_records
 
 from dflash.distributed.protocol import Protocol, Timeouts
+from dflash.distributed.tensor_parallel import transformers_unsupported
 from dflash.distributed.topology import Topology
 
 pytestmark = pytest.mark.gpu
@@ -26,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def gpus(n: int):
     count = torch.cuda.device_count()
     return pytest.mark.skipif(count < n, reason=f"needs {n} GPUs (one per rank), {count} visible")
+
+
+SHARDS = pytest.mark.skipif(transformers_unsupported() is not None, reason=str(transformers_unsupported()))
 
 
 def _groups_worker(rank: int, port: int, out: str) -> None:
@@ -199,12 +203,18 @@ def _tensor_parallel_worker(rank: int, port: int, out: str) -> None:
     whole = Target(source.model(device, torch.bfloat16), [1, 3, 5]).prefill(ids, topk=8)
     sharded = Target(load_target(source, device, torch.bfloat16, group), [1, 3, 5]).prefill(ids, topk=8)
     error = float((sharded.features.float() - whole.features.float()).norm() / whole.features.float().norm())
-    agree = float((sharded.topk_indices[..., 0] == whole.topk_indices[..., 0]).float().mean())
-    Path(out, f"rank{rank}").write_text(json.dumps({"error": error, "top1_agree": agree}))
+    # Where the runner-up is within bf16 rounding of the top logit either may win (5% of
+    # positions tie outright in bf16): compare the top-1 where it leads by over 2%, five ulps.
+    top1 = whole.topk_values[..., 0].float()
+    decisive = top1 - whole.topk_values[..., 1].float() > 0.02 * top1.abs()
+    agree = float((sharded.topk_indices[..., 0] == whole.topk_indices[..., 0])[decisive].float().mean())
+    Path(out, f"rank{rank}").write_text(json.dumps({"error": error, "top1_agree": agree,
+                                                    "decisive": float(decisive.float().mean())}))
     dist.destroy_process_group()
 
 
 @gpus(2)
+@SHARDS
 def test_tensor_parallel_prefill_matches_one_gpu(tmp_path):
     """target.tensor_parallel=2 over NCCL: the sharded prefill's features are the one-GPU
     prefill's within bf16 rounding (the row-parallel sums run in another order)."""
@@ -212,10 +222,11 @@ def test_tensor_parallel_prefill_matches_one_gpu(tmp_path):
                        start_method="spawn")
     for rank in (0, 1):
         result = json.loads((tmp_path / f"rank{rank}").read_text())
-        assert result["error"] < 2e-2 and result["top1_agree"] > 0.98, result
+        assert result["error"] < 2e-2 and result["decisive"] > 0.5 and result["top1_agree"] > 0.99, result
 
 
 @gpus(4)
+@SHARDS
 def test_tensor_parallel_target_group_trains_like_colocated(colocated, tmp_path):
     """Ranks 0-1 hold one target sharded over two GPUs, ranks 2-3 train: the losses are the
     one-GPU run's within bf16 noise, rank 0 sends every bundle, rank 1 none."""
