@@ -211,8 +211,7 @@ def check_disk(root: Path, needed: int, keep: int, warn: bool = False) -> None:
         raise OSError(f"a checkpoint of this drafter takes {needed / gib:.1f} GiB and {root} has {free / gib:.1f} GiB "
                       "free: free some space, then resume=auto continues from the newest checkpoint, or set output_dir "
                       "on a larger disk")
-    ahead = keep + 1 - len(checkpoints(root)) if root.is_dir() else keep + 1
-    if warn and keep > 0 and free < ahead * needed:
+    if warn and keep > 0 and free < (keep + 1 - len(checkpoints(root))) * needed:
         log.warning("checkpoint.keep=%d keeps up to %d checkpoints of %.1f GiB on disk while the next is written; %s "
                     "has %.1f GiB free, so a later save will fail", keep, keep + 1, needed / gib, root, free / gib)
 
