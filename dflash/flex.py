@@ -45,13 +45,21 @@ def flash_unsupported(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"{torch.cuda.get_device_name(device)} is compute capability {major}.{minor}; they need 9.x or 10.x"
-    try:
-        found = importlib.util.find_spec("flash_attn.cute") is not None
-    except ModuleNotFoundError:  # no flash_attn package at all
-        found = False
-    if not found:
+    if not _importable("flash_attn.cute"):
         return "the flash-attn-4 package is not installed (pip install 'dflash[flash]')"
+    if not _importable("cutlass.cute"):
+        # Found here, not mid-warmup: Inductor imports it only once it generates the kernels.
+        return ("flash-attn-4 is installed but its CuteDSL (the `cutlass` module of nvidia-cutlass-dsl) is not "
+                "importable; reinstall it with pip install 'dflash[flash]'")
     return None
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be found, without importing it (a missing parent is not found)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def use_flash_kernels() -> None:

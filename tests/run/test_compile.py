@@ -282,6 +282,14 @@ def test_flash_kernels_cannot_run_off_cuda_or_without_the_package(monkeypatch):
     if importlib.util.find_spec("flash_attn") is None:
         assert "flash-attn-4" in flex.flash_unsupported(torch.device("cuda"))
 
+    # flash-attn-4 found without the CuteDSL it imports (a partial install): refused here, where
+    # the compiler would fail only once it generated the kernels, well into the warmup
+    found = {"flash_attn.cute"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in found else None)
+    assert "nvidia-cutlass-dsl" in flex.flash_unsupported(torch.device("cuda"))
+    found.add("cutlass.cute")
+    assert flex.flash_unsupported(torch.device("cuda")) is None
+
 
 def test_the_cutedsl_index_expression_is_added_only_where_torch_lacks_it(monkeypatch):
     """torch 2.11's CuteDSL code generator has no ``index_expr``: one is added (an integer
