@@ -47,7 +47,7 @@ def flash_unsupported(device: torch.device) -> str | None:
         return f"{torch.cuda.get_device_name(device)} is compute capability {major}.{minor}; they need 9.x or 10.x"
     if not _importable("flash_attn.cute"):
         return "the flash-attn-4 package is not installed (pip install 'dflash[flash]')"
-    if not _importable("cutlass.cute"):
+    if not _importable("cutlass"):
         # Found here, not mid-warmup: Inductor imports it only once it generates the kernels.
         return ("flash-attn-4 is installed but its CuteDSL (the `cutlass` module of nvidia-cutlass-dsl) is not "
                 "importable; reinstall it with pip install 'dflash[flash]'")
@@ -55,7 +55,7 @@ def flash_unsupported(device: torch.device) -> str | None:
 
 
 def _importable(module: str) -> bool:
-    """Whether ``module`` can be found, without importing it (a missing parent is not found)."""
+    """Whether ``module`` can be found; a dotted name imports its parent package (a missing parent is not found)."""
     try:
         return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
