@@ -49,8 +49,8 @@ def flash_unsupported(device: torch.device) -> str | None:
         return "the flash-attn-4 package is not installed (pip install 'dflash[flash]')"
     if not _importable("cutlass"):
         # Found here, not mid-warmup: Inductor imports it only once it generates the kernels.
-        return ("flash-attn-4 is installed but its CuteDSL (the `cutlass` module of nvidia-cutlass-dsl) is not "
-                "importable; reinstall it with pip install 'dflash[flash]'")
+        return ("flash-attn-4 is installed but its CuteDSL (the `cutlass` package of nvidia-cutlass-dsl) cannot "
+                "be found; reinstall it with pip install 'dflash[flash]'")
     return None
 
 
