@@ -107,26 +107,37 @@ class HostBuffers:
         views = iter([span.view(t.dtype).view(t.shape) for span, t in zip(spans, leaves)])
         self.state = tree_map_only(torch.Tensor, lambda t: next(views), state)
         self.to_pin = [span for span, t in zip(spans, leaves) if t.is_cuda and span.numel()]
+        self.device = next((t.device for t in leaves if t.is_cuda), None)  # the state's GPU, whose copies use the pages
         self.pinned: list[int] = []  # addresses registered with the driver
 
     def pin(self) -> HostBuffers:
-        cudart = torch.cuda.cudart() if self.to_pin else None
-        for span in self.to_pin:
-            span.fill_(0)  # fault the pages in here, not under the driver's lock
-            error = cudart.cudaHostRegister(span.data_ptr(), span.numel(), 0)
-            if error != cudart.cudaError.success:
-                log.warning("checkpoint buffers stay pageable, so each save waits for a slower copy: page-locking "
-                            "%.1f GiB of host memory failed (%s; see `ulimit -l`)", span.numel() / 2**30,
-                            cudart.cudaGetErrorString(error))
-                break
-            self.pinned.append(span.data_ptr())
+        """Lock the pages of the GPU tensors' buffers. Called from the writer's thread, whose
+        current device is not the rank's (CUDA keeps one per thread, and ``set_device`` set
+        the main thread's): pages registered there would be locked for another GPU's
+        context, and one process per GPU would each open a context on GPU 0."""
+        if not self.to_pin:
+            return self
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.device):
+            for span in self.to_pin:
+                span.fill_(0)  # fault the pages in here, not under the driver's lock
+                error = cudart.cudaHostRegister(span.data_ptr(), span.numel(), 0)
+                if error != cudart.cudaError.success:
+                    log.warning("checkpoint buffers stay pageable, so each save waits for a slower copy: page-locking "
+                                "%.1f GiB of host memory failed (%s; see `ulimit -l`)", span.numel() / 2**30,
+                                cudart.cudaGetErrorString(error))
+                    break
+                self.pinned.append(span.data_ptr())
         return self
 
     def release(self) -> None:
         """Unlock the pages, before the memory is freed."""
-        cudart = torch.cuda.cudart() if self.pinned else None
-        for address in self.pinned:
-            cudart.cudaHostUnregister(address)
+        if not self.pinned:
+            return
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.device):
+            for address in self.pinned:
+                cudart.cudaHostUnregister(address)
         self.pinned = []
 
 

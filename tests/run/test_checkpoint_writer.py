@@ -2,8 +2,10 @@
 checkpoint holds the state of its step whatever trains after it, a failed write is
 raised, not lost; and a checkpoint of another drafter is refused."""
 
+import contextlib
 import logging
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,6 +85,44 @@ def test_host_buffers_hold_the_state_each_tensor_on_its_own_pages():
     assert all(p % PAGE == 0 for p in starts) and len(set(starts)) == len(starts)
     assert host.pin().pinned == []  # nothing on a GPU, nothing to lock
     host.release()
+
+
+def test_host_buffers_lock_their_pages_on_the_state_s_gpu_from_the_writer_thread(monkeypatch):
+    """The writer's thread starts on GPU 0 whatever the rank's GPU (CUDA's current device is
+    per thread): the pages are registered, and unregistered, with the state's GPU current.
+    The driver is a fake here; which GPU is current when it is called is what counts."""
+    current, calls = [0], []
+
+    class Driver:
+        class cudaError:  # noqa: N801 (the name torch.cuda.cudart() gives it)
+            success = 0
+
+        @staticmethod
+        def cudaHostRegister(address, size, flags):  # noqa: N802
+            calls.append(("register", current[0]))
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(address):  # noqa: N802
+            calls.append(("unregister", current[0]))
+            return 0
+
+    @contextlib.contextmanager
+    def device(d):
+        before, current[0] = current[0], d.index
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Driver)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    host = HostBuffers({"w": torch.ones(5, 7), "m": torch.zeros(3)})
+    host.to_pin, host.device = [t.view(-1).view(torch.uint8) for t in host.state.values()], torch.device("cuda", 3)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        assert len(pool.submit(host.pin).result().pinned) == 2
+    host.release()
+    assert calls == [("register", 3), ("register", 3), ("unregister", 3), ("unregister", 3)] and current == [0]
 
 
 def test_a_failed_write_is_raised_at_the_next_save(tmp_path: Path):
