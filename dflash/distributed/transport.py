@@ -247,18 +247,20 @@ class BundleReceiver:
 
 class PipelineCounters:
     """Per-step pipeline figures on the drafter ranks: drafter time blocked on receives
-    (mean over drafters), target time blocked on sends (mean over targets, read from
-    the headers), bytes moved. Reduced over the drafter group once per step."""
+    (mean over drafters), target time blocked on sends (mean over the sending target
+    ranks, one per tensor-parallel group, read from the headers), bytes moved. Reduced
+    over the drafter group once per step."""
 
-    def __init__(self, receiver: BundleReceiver, num_targets: int, group: dist.ProcessGroup, device: torch.device):
-        self.receiver, self.num_targets, self.group, self.device = receiver, num_targets, group, device
+    def __init__(self, receiver: BundleReceiver, senders: list[int], group: dist.ProcessGroup, device: torch.device):
+        self.receiver, self.group, self.device = receiver, group, device
+        self.senders = {rank: i for i, rank in enumerate(senders)}
         self.num_drafters = dist.get_world_size(group)
         self.last = torch.zeros(3, dtype=torch.float64)
 
     def step(self) -> dict:
-        target_wait = torch.zeros(self.num_targets, dtype=torch.float64)
+        target_wait = torch.zeros(len(self.senders), dtype=torch.float64)
         for peer, us in self.receiver.target_send_wait_us.items():
-            target_wait[peer] = us / 1e6
+            target_wait[self.senders[peer]] = us / 1e6
         totals = torch.tensor([self.receiver.wait_s, self.receiver.bytes_received, 0.0], dtype=torch.float64)
         both = torch.cat([totals, target_wait]).to(self.device)
         dist.all_reduce(both[:3], group=self.group)
@@ -269,6 +271,6 @@ class PipelineCounters:
         self.last.copy_(both[:3])
         return {
             "drafter_wait_s": float(delta[0]) / self.num_drafters,
-            "target_wait_s": float(delta[2]) / self.num_targets,
+            "target_wait_s": float(delta[2]) / len(self.senders),
             "bytes_per_step": int(delta[1]),
         }

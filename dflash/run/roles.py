@@ -295,7 +295,7 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
                 _, batch, prefill = receiver.receive(producer, m)
             yield batch, prefill
 
-    counters = PipelineCounters(receiver, topo.num_targets, proto.drafters, device)
+    counters = PipelineCounters(receiver, topo.senders, proto.drafters, device)
     live = settings.live if is_metrics else None
     evaluator = RemoteEval(proto, live, head.embed_weight.dtype, steps) if live else None
     started = time.perf_counter()

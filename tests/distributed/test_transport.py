@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -9,7 +10,7 @@ import torch.multiprocessing as mp
 from runs import free_port
 
 from dflash.data.bundle import MicroBatch
-from dflash.distributed.transport import BundleReceiver, BundleSender, Expected
+from dflash.distributed.transport import BundleReceiver, BundleSender, Expected, PipelineCounters
 from dflash.model.target import PrefillOutput
 
 
@@ -73,3 +74,23 @@ def test_wrong_shape_is_a_clear_error(tmp_path):
     message = run_pair(tmp_path, 20).read_text()
     assert message.startswith("BundleError")
     assert "feature dim 20, the drafter's fc takes 12" in message
+
+
+def _counters_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # two drafters fed by 4 target ranks in tensor-parallel pairs: only ranks 0 and 2 send,
+    # and each header says how long its sender has waited so far
+    seen = [{0: 2_000_000}, {0: 1_500_000, 2: 4_000_000}][rank]
+    receiver = SimpleNamespace(wait_s=[1.0, 3.0][rank], bytes_received=[100, 50][rank], target_send_wait_us=seen)
+    figures = PipelineCounters(receiver, [0, 2], dist.new_group([0, 1]), torch.device("cpu")).step()
+    if rank == 0:
+        torch.save(figures, out)
+    dist.barrier()
+
+
+def test_pipeline_waits_are_means_over_drafters_and_over_the_ranks_that_send(tmp_path):
+    out = tmp_path / "figures"
+    mp.start_processes(_counters_worker, args=(free_port(), str(out)), nprocs=2, join=True, start_method="spawn")
+    # a sender's wait is the newest a drafter read (the larger), then the mean over the 2 senders
+    assert torch.load(out) == {"drafter_wait_s": 2.0, "target_wait_s": 3.0, "bytes_per_step": 150}
