@@ -52,6 +52,7 @@ from dflash.model.target import Target
 log = logging.getLogger(__name__)
 
 SLOW_SLICE_MS = 250.0  # a slice this long holds up the target's next prefill: each is logged
+OFFER_CHECK_S = 0.01  # while target rank 0 waits on its sends, how often it looks for weights offered
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,7 @@ class EvalServer:
         self.slice_max_ms = 0.0  # the running evaluation's longest slice: the most it delayed a prefill
         self.slice_max_at = ""  # and what ran in it
         self.interrupted = False  # SIGTERM: decode nothing more
+        self.next_offer_check = 0.0  # time.monotonic() of the next look for offered weights in idle()
 
     def warm(self) -> None:
         """Before the first bundle: :meth:`Evaluator.warm`."""
@@ -333,7 +335,16 @@ class EvalServer:
 
     def idle(self) -> bool:
         """One slice while the target would wait; False when there is nothing to do
-        (after a SIGTERM, the running evaluation is dropped instead)."""
+        (after a SIGTERM, the running evaluation is dropped instead).
+
+        Weights offered meanwhile are taken first (every ``OFFER_CHECK_S``): this rank
+        waits here for a drafter to take a bundle, and if that drafter is the metrics
+        rank, its send of the weights stays pending on its GPU until this rank receives
+        them. Whatever waits for that GPU's work there (the first launch of a kernel, a
+        ``cudaFree``) would wait for this rank, which would wait for it."""
+        if time.monotonic() >= self.next_offer_check:
+            self.next_offer_check = time.monotonic() + OFFER_CHECK_S
+            self.receive()
         if self.interrupted and self.evaluator.busy:
             self._abandon()
         if not self.evaluator.busy:

@@ -10,7 +10,12 @@ import torch.multiprocessing as mp
 from runs import free_port
 
 from dflash.data.bundle import MicroBatch
-from dflash.distributed.transport import BundleReceiver, BundleSender, Expected, PipelineCounters
+from dflash.distributed.transport import (
+    BundleReceiver,
+    BundleSender,
+    Expected,
+    PipelineCounters,
+)
 from dflash.model.target import PrefillOutput
 
 

@@ -5,6 +5,7 @@ import json
 import logging
 from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import tiny_drafter, tiny_target, word_tokenizer
 from runs import compose_cfg, read_records, run_colocated, run_disaggregated
 
+from dflash.decode import live
 from dflash.decode.batch import default_batch_size
 from dflash.decode.live import (
     Evaluator,
@@ -129,6 +131,54 @@ def test_an_abandoned_evaluation_is_collected_as_nothing_and_frees_the_next():
     remote.sending, remote.pending = (sent, torch.zeros(1)), 2
     assert remote.finish(completed=True) == []
     assert remote.pending is None and sent.waits == 1
+
+
+class _Offers:
+    """Target rank 0's view of the store: weights of ``step`` offered from the start."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.topo = SimpleNamespace(metrics_rank=1)
+        self.eval_link = None
+        self.results: list[dict] = []
+
+    def eval_requested(self) -> int:
+        return self.step
+
+    def post_eval_result(self, record: dict) -> None:
+        self.results.append(record)
+
+
+class _OneSliceEvaluator:
+    """An evaluation that ends at its first slice."""
+
+    def __init__(self):
+        self.busy, self.step, self.last_slice = False, 0, "all of it"
+
+    def buffer(self) -> torch.Tensor:
+        return torch.zeros(3)
+
+    def start(self, step: int, flat: torch.Tensor) -> None:
+        self.busy, self.step = True, step
+
+    def advance(self) -> dict:
+        self.busy = False
+        return {"step": self.step, "eval/s": 0.1}
+
+
+def test_target_rank_0_takes_offered_weights_while_it_waits_on_its_sends(monkeypatch):
+    """While the target waits for a drafter to take a bundle it runs ``idle``: weights offered
+    in the meantime are received there and evaluated. Under NCCL the metrics rank's send
+    of them stays pending on its GPU until then, and whatever waits for that GPU's work
+    would wait for target rank 0, itself waiting on that drafter."""
+    received = []
+    monkeypatch.setattr(live.dist, "recv", lambda t, src, group: received.append(src))
+    proto = _Offers(step=40)
+    server = live.EvalServer(proto, _OneSliceEvaluator(), sliced=True)
+    assert server.idle() is True  # received, then one slice
+    assert received == [1] and server.handled == 40 and [r["step"] for r in proto.results] == [40]
+    server.next_offer_check = 0.0  # look again at once: the same offer is not taken twice
+    assert server.idle() is False and received == [1]
 
 
 def test_an_evaluation_budget_below_one_is_refused_at_start():

@@ -94,16 +94,16 @@ def test_host_buffers_lock_their_pages_on_the_state_s_gpu_from_the_writer_thread
     current, calls = [0], []
 
     class Driver:
-        class cudaError:  # noqa: N801 (the name torch.cuda.cudart() gives it)
+        class cudaError:  # the names torch.cuda.cudart() gives
             success = 0
 
         @staticmethod
-        def cudaHostRegister(address, size, flags):  # noqa: N802
+        def cudaHostRegister(address, size, flags):
             calls.append(("register", current[0]))
             return 0
 
         @staticmethod
-        def cudaHostUnregister(address):  # noqa: N802
+        def cudaHostUnregister(address):
             calls.append(("unregister", current[0]))
             return 0
 
