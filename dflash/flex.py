@@ -45,16 +45,16 @@ def flash_unsupported(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"{torch.cuda.get_device_name(device)} is compute capability {major}.{minor}; they need 9.x or 10.x"
-    if not _importable("flash_attn.cute"):
+    if not _findable("flash_attn.cute"):
         return "the flash-attn-4 package is not installed (pip install 'dflash[flash]')"
-    if not _importable("cutlass"):
+    if not _findable("cutlass"):
         # Found here, not mid-warmup: Inductor imports it only once it generates the kernels.
         return ("flash-attn-4 is installed but its CuteDSL (the `cutlass` package of nvidia-cutlass-dsl) cannot "
                 "be found; reinstall it with pip install 'dflash[flash]'")
     return None
 
 
-def _importable(module: str) -> bool:
+def _findable(module: str) -> bool:
     """Whether ``module`` can be found; a dotted name imports its parent package (a missing parent is not found)."""
     try:
         return importlib.util.find_spec(module) is not None
