@@ -376,4 +376,17 @@ def staggered_warmup(
     report = {k: after[k] - before[k] for k in after}
     report.update(turn=turn, wall_s=round(ended - began, 2), began=began, ended=ended,
                   cache=warm_source(report, received), artifacts_received=received, artifacts_sent=sent)
+    if received and report["cache"] == "compiled":
+        log.warning("this rank loaded its role's compiled code and still compiled (cache misses)%s",
+                    _device_index_hint())
     return report
+
+
+def _device_index_hint() -> str:
+    """Why received code misses on a rank that does not see its GPU as ``cuda:0``: the
+    compiled graphs are keyed by the device index, which plain torchrun makes LOCAL_RANK."""
+    if not torch.cuda.is_available() or torch.cuda.current_device() == 0:
+        return ""
+    return (f": it runs on cuda:{torch.cuda.current_device()}, and compiled code is keyed by the device index. "
+            "Launch with ./launch.sh (torchrun --virtual-local-rank), where every rank sees its GPU as cuda:0, "
+            "so that later warmup turns load what the first compiled")

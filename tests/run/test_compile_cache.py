@@ -3,6 +3,7 @@ ranks of its later turns through the rendezvous store, so they load instead of c
 without sharing a cache directory; and the cache directory outlives the launch by default."""
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -105,6 +106,33 @@ def test_values_larger_than_the_store_accepts_travel_in_chunks():
 def test_warm_source(counts, received, source):
     zero = dict.fromkeys(("fx_cache_hits", "fx_cache_misses", "aot_cache_hits", "aot_cache_misses"), 0)
     assert warm_source({**zero, **counts}, received) == source
+
+
+def test_a_rank_whose_received_code_misses_is_told_why(monkeypatch, caplog):
+    """Under plain torchrun a rank's GPU is cuda:LOCAL_RANK, and compiled code is keyed by
+    the device index: what the role's first rank hands over misses, and the rank says so."""
+    from torch._dynamo.utils import counters
+
+    from dflash import compile as compile_module
+
+    def warm() -> None:  # the graph compiled although the received code was loaded
+        counters["stats"]["unique_graphs"] += 1
+        counters["inductor"]["fxgraph_cache_miss"] += 1
+
+    monkeypatch.setattr(compile_module, "load_artifacts", lambda data: len(data))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    with caplog.at_level(logging.WARNING, logger="dflash.compile"):
+        report = compile_module.staggered_warmup(warm, 1, 2, receive=lambda: b"code")
+    assert report["cache"] == "compiled" and report["artifacts_received"] == 4
+    assert "runs on cuda:3" in caplog.text and "--virtual-local-rank" in caplog.text
+
+    caplog.clear()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with caplog.at_level(logging.WARNING, logger="dflash.compile"):
+        compile_module.staggered_warmup(warm, 1, 2, receive=lambda: b"code")
+    assert "still compiled (cache misses)" in caplog.text and "cuda:" not in caplog.text
 
 
 def _cache_dir_of(*overrides: str) -> str:
