@@ -26,7 +26,12 @@ from dflash.data.order import PackedOrder, SampleOrder, collate
 from dflash.device import pick_device
 from dflash.distributed import tensor_parallel
 from dflash.distributed.protocol import Protocol, Timeouts
-from dflash.distributed.topology import Topology, TopologyError, auto_target_ranks
+from dflash.distributed.topology import (
+    Topology,
+    TopologyError,
+    auto_target_ranks,
+    nearest_dividing_split,
+)
 from dflash.model.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -127,13 +132,15 @@ def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:
 
 def split_by_flops(job: Job, world: int, target: nn.Module, drafter: DFlashDrafter) -> int:
     """Target ranks of ``world`` from the FLOPs of both sides (the target's count takes the
-    experts a token runs through, the drafter's the frozen LM head it runs through too)."""
+    experts a token runs through, the drafter's the frozen LM head it runs through too),
+    moved to the nearest split the batch divides over."""
     text = target.config.get_text_config()
     target_params = active_params(target, text)
     head_params = target.get_output_embeddings().weight.numel()
     drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
-    return auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len,
-                             job.tensor_parallel)
+    split = auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len,
+                              job.tensor_parallel)
+    return nearest_dividing_split(split, world, job.plan.micro_batch_size, job.plan.batch_size, job.tensor_parallel)
 
 
 def active_params(module: nn.Module, text: PretrainedConfig) -> float:

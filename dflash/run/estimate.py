@@ -464,6 +464,9 @@ def resolve_targets(job: Job, options: list[Estimate]) -> int:
     topology, world_size = job.cfg.topology, options[0].world_size
     if topology.mode not in LAYOUT_MODES:
         raise TopologyError(f"topology.mode={topology.mode} is not one of {', '.join(LAYOUT_MODES)}")
+    if topology.mode == "colocated" and topology.target_ranks not in ("auto", 0):
+        raise TopologyError(f"topology.target_ranks={topology.target_ranks} splits the ranks into targets and "
+                            "drafters, and topology.mode=colocated runs both on every rank: drop one of the two")
     if world_size == 1 or topology.mode == "colocated":
         return 0
     if topology.target_ranks != "auto":

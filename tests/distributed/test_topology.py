@@ -4,7 +4,12 @@ import itertools
 
 import pytest
 
-from dflash.distributed.topology import Topology, TopologyError, auto_target_ranks
+from dflash.distributed.topology import (
+    Topology,
+    TopologyError,
+    auto_target_ranks,
+    nearest_dividing_split,
+)
 
 
 def topo(t, d, a, rank=0, micro=1):
@@ -78,3 +83,11 @@ def test_auto_split_is_at_least_one_of_each():
     assert auto_target_ranks(2, 8e9, 1e9, 512, 3072) == 1
     assert 1 <= auto_target_ranks(8, 8e9, 1.7e9, 512, 3072) <= 7
     assert auto_target_ranks(8, 70e9, 1e8, 16, 4096) == 7
+
+
+def test_the_split_moves_to_the_nearest_one_the_batch_divides_over():
+    assert nearest_dividing_split(3, 8, 1, 30) == 3  # 5 drafters take 30
+    assert nearest_dividing_split(3, 8, 1, 32) == 4  # 5 do not, 4 do (6 do not either)
+    assert nearest_dividing_split(10, 16, 1, 32) == 8  # 8 and 12 both 2 away: the fewer targets
+    assert nearest_dividing_split(4, 9, 1, 6, tensor_parallel=2) == 6  # 3 (6 drafters) is no whole groups of 2
+    assert nearest_dividing_split(2, 4, 2, 7) == 2  # none divides: kept, for Topology to name the key

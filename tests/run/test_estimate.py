@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dflash.data.bundle import flatten, random_batch, random_prefill
+from dflash.distributed.topology import TopologyError
 from dflash.flex import flash_unsupported
 from dflash.model.drafter import DrafterConfig
 from dflash.run.build import build_job, meta_models
@@ -26,6 +27,7 @@ from dflash.run.estimate import (
     layout_options,
     prefill_attention_flops,
     prefill_flops,
+    resolve_targets,
     seconds_per_row,
 )
 
@@ -62,6 +64,20 @@ def test_a_plan_that_cannot_run_is_refused_with_the_key_to_change(tmp_path):
     assert uneven.returncode != 0 and "train.batch_size=32 must be a multiple" in uneven.stderr
     indivisible = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=7", "train.micro_batch_size=2"])
     assert indivisible.returncode != 0 and "train.batch_size=7 must be a multiple" in indivisible.stderr
+
+
+def test_a_split_asked_of_the_layout_mode_suits_the_batch():
+    """``topology.mode=disaggregated`` with ``target_ranks=auto`` splits by FLOPs, then moves to
+    the nearest split the batch divides over; colocated with a number of target ranks is
+    refused rather than run colocated."""
+    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper",
+                                    "topology.mode=disaggregated"]))
+    assert job.plan.batch_size == 32
+    assert resolve_targets(job, layout_options(job, 8)) == 4  # by FLOPs 3, whose 5 drafters do not divide 32
+    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper",
+                                    "topology.mode=colocated", "topology.target_ranks=2"]))
+    with pytest.raises(TopologyError, match="topology.target_ranks=2 splits .* drop one of the two"):
+        resolve_targets(job, layout_options(job, 8))
 
 
 def test_bundle_bytes_are_those_of_a_real_bundle():
