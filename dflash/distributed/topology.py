@@ -151,12 +151,18 @@ def auto_target_ranks(world_size: int, target_params: float, drafter_params: flo
     return groups * k
 
 
-def nearest_dividing_split(split: int, world_size: int, micro_batch_size: int, batch_size: int,
-                           tensor_parallel: int = 1) -> int:
-    """``split`` target ranks, or, when ``batch_size`` does not divide over the drafter ranks it
-    leaves (``micro_batch_size`` x drafters), the nearest split in whole groups that it does
-    divide over (the one with fewer target ranks on a tie); ``split`` itself when none does,
-    so that :class:`Topology` names the key to change."""
-    k = tensor_parallel
-    dividing = [t for t in range(k, world_size, k) if batch_size % (micro_batch_size * (world_size - t)) == 0]
-    return min(dividing, key=lambda t: (abs(t - split), t), default=split)
+def nearest_allowed_split(split: int, world_size: int, micro_batch_size: int, batch_size: int,
+                          tensor_parallel: int = 1) -> int:
+    """``split`` target ranks, or, when :class:`Topology` refuses it (the batch does not divide
+    over the drafter ranks it leaves), the nearest split it allows (the one with fewer target
+    ranks on a tie); ``split`` itself when it allows none, so that :class:`Topology` names the
+    key to change."""
+
+    def allowed(targets: int) -> bool:
+        try:
+            Topology(world_size, 0, targets, micro_batch_size, batch_size, tensor_parallel)
+        except TopologyError:
+            return False
+        return True
+
+    return min(filter(allowed, range(1, world_size)), key=lambda t: (abs(t - split), t), default=split)

@@ -30,7 +30,7 @@ from dflash.distributed.topology import (
     Topology,
     TopologyError,
     auto_target_ranks,
-    nearest_dividing_split,
+    nearest_allowed_split,
 )
 from dflash.model.drafter import (
     DFlashDrafter,
@@ -140,7 +140,7 @@ def split_by_flops(job: Job, world: int, target: nn.Module, drafter: DFlashDraft
     drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
     split = auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len,
                               job.tensor_parallel)
-    return nearest_dividing_split(split, world, job.plan.micro_batch_size, job.plan.batch_size, job.tensor_parallel)
+    return nearest_allowed_split(split, world, job.plan.micro_batch_size, job.plan.batch_size, job.tensor_parallel)
 
 
 def active_params(module: nn.Module, text: PretrainedConfig) -> float:

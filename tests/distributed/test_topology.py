@@ -8,7 +8,7 @@ from dflash.distributed.topology import (
     Topology,
     TopologyError,
     auto_target_ranks,
-    nearest_dividing_split,
+    nearest_allowed_split,
 )
 
 
@@ -86,8 +86,8 @@ def test_auto_split_is_at_least_one_of_each():
 
 
 def test_the_split_moves_to_the_nearest_one_the_batch_divides_over():
-    assert nearest_dividing_split(3, 8, 1, 30) == 3  # 5 drafters take 30
-    assert nearest_dividing_split(3, 8, 1, 32) == 4  # 5 do not, 4 do (6 do not either)
-    assert nearest_dividing_split(10, 16, 1, 32) == 8  # 8 and 12 both 2 away: the fewer targets
-    assert nearest_dividing_split(4, 9, 1, 6, tensor_parallel=2) == 6  # 3 (6 drafters) is no whole groups of 2
-    assert nearest_dividing_split(2, 4, 2, 7) == 2  # none divides: kept, for Topology to name the key
+    assert nearest_allowed_split(3, 8, 1, 30) == 3  # 5 drafters take 30
+    assert nearest_allowed_split(3, 8, 1, 32) == 4  # 5 do not, 4 do (6 do not either)
+    assert nearest_allowed_split(10, 16, 1, 32) == 8  # 8 and 12 both 2 away: the fewer targets
+    assert nearest_allowed_split(4, 9, 1, 6, tensor_parallel=2) == 6  # 3 (6 drafters) is no whole groups of 2
+    assert nearest_allowed_split(2, 4, 2, 7) == 2  # none divides: kept, for Topology to name the key
