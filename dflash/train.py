@@ -33,6 +33,7 @@ from dflash.run.config import config_dir
 from dflash.run.estimate import (
     PlanError,
     check_fits,
+    fit_micro_batch,
     format_estimate,
     format_options,
     layout_options,
@@ -59,6 +60,7 @@ def setup_logging(topo: Topology | None) -> None:
 def dry_run(cfg: DictConfig, job) -> dict:
     """Print the plan and return, touching neither weights nor the output directory."""
     world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
+    job = fit_micro_batch(job, world)
     try:
         options = layout_options(job, world)
         targets = resolve_targets(job, options)
@@ -83,13 +85,16 @@ def train(cfg: DictConfig) -> dict:
 
 
 def run_role(cfg: DictConfig) -> dict:
-    """The plan, the layout, the process groups, then this rank's role."""
+    """The plan (its micro-batch fitted to a rank's memory), the layout, the process
+    groups, then this rank's role."""
     job = build_job(cfg)
     startup.mark("the plan")
     if cfg.dry_run:
         return dry_run(cfg, job)
     require_wandb(cfg.wandb.mode)
-    options = layout_options(job, int(os.environ.get("WORLD_SIZE", 1)))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    job = fit_micro_batch(job, world)
+    options = layout_options(job, world)
     topo = build_topology(job, resolve_targets(job, options))
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:

@@ -66,6 +66,9 @@ class Job:
     dtype: torch.dtype  # the target's weights and the drafter's autocast
     compile: CompileSettings
     tensor_parallel: int = 1  # target ranks per target replica (target.tensor_parallel)
+    # why train.micro_batch_size=auto took fewer sequences than train.micro_batch_tokens allows
+    # (dflash.run.estimate.fit_micro_batch); said in the dry run and the start log
+    micro_batch_note: str = ""
 
 
 def build_job(cfg: DictConfig) -> Job:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -476,6 +476,65 @@ def resolve_targets(job: Job, options: list[Estimate]) -> int:
     return choose_layout(options).num_targets
 
 
+def fit_micro_batch(job: Job, world_size: int) -> Job:
+    """``job`` with ``train.micro_batch_size=auto`` stepped down where the token budget's
+    choice does not suit the ranks.
+
+    The token budget (:func:`~dflash.run.plan.auto_micro_batch`) looks at tokens only, so
+    a large target or drafter can get a micro-batch no rank holds, and a micro-batch too
+    large to split the batch over every rank bars the colocated layout. So each micro-batch
+    from the budget's choice down that divides the batch is planned as the run would plan
+    it (``topology.mode`` and ``topology.target_ranks`` as set; under auto, the layout
+    :func:`choose_layout` takes), and the largest whose layout fits a rank's memory is
+    taken, unless a smaller one allows a layout predicted faster (a plan without rates, a
+    CPU run's, has none faster). If none fits, ``job`` is returned as it is, and the refusal
+    (dry run) or warning (run) names the keys to change.
+    An explicit ``train.micro_batch_size`` is never changed. The choice depends on the
+    config and the device size only, so every rank makes the same one."""
+    if job.cfg.train.micro_batch_size != "auto":
+        return job
+    budget = job.plan.micro_batch_size
+    outcomes = {micro: _layout_or_refusal(replace(job, plan=replace(job.plan, micro_batch_size=micro)), world_size)
+                for micro in range(budget, 0, -1) if job.plan.batch_size % micro == 0}
+    best: tuple[int, Estimate] | None = None
+    for micro, outcome in outcomes.items():  # largest first; a smaller one only where strictly faster
+        if isinstance(outcome, Estimate) and (best is None or outcome.samples_per_s > best[1].samples_per_s):
+            best = micro, outcome
+    if best is None or best[0] == budget:
+        return job
+    micro, cost = best
+    note = _stepped_down(job.plan, micro, cost, [outcome for m, outcome in outcomes.items() if m > micro])
+    return replace(job, plan=replace(job.plan, micro_batch_size=micro), micro_batch_note=note)
+
+
+def _layout_or_refusal(job: Job, world_size: int) -> Estimate | TopologyError | PlanError:
+    """The estimate of the layout ``job`` runs in if it fits, else why it has none."""
+    try:
+        options = layout_options(job, world_size)
+        cost = of_layout(job, options, resolve_targets(job, options))
+        check_fits(cost)
+    except (TopologyError, PlanError) as refusal:
+        return refusal
+    return cost
+
+
+def _stepped_down(plan: Plan, micro: int, cost: Estimate, larger: list[Estimate | Exception]) -> str:
+    """Why the token budget's micro-batch (``plan``'s) gave way to ``micro``, whose layout is
+    ``cost``: what kept out each of the ``larger`` ones, planned as :func:`_layout_or_refusal`."""
+    reasons = []
+    if any(isinstance(outcome, PlanError) for outcome in larger):
+        reasons.append(f"to fit the {USABLE_SHARE * cost.device_gib:.1f} GiB a rank may plan on ({USABLE_SHARE:.0%} of "
+                       f"estimate.device_gib={cost.device_gib:.1f})")
+    if any(isinstance(outcome, TopologyError) for outcome in larger):
+        reasons.append("to split the batch into whole micro-batches over the ranks")
+    slower = [outcome.samples_per_s for outcome in larger if isinstance(outcome, Estimate)]
+    if slower:
+        unit = "rows" if plan.packing else "samples"
+        reasons.append(f"to allow a faster layout, {layout_name(cost)} ({cost.samples_per_s / cost.world_size:.2f} "
+                       f"{unit}/s per GPU predicted, against {max(slower) / cost.world_size:.2f})")
+    return f"stepped down from {plan.micro_batch_size} to {micro} {' and '.join(reasons)}"
+
+
 # What lowers each kind of rank's memory, for the message that refuses a plan
 MEMORY_KEYS = {
     "drafter": "lower train.num_anchors, train.micro_batch_size or loss.chunk_size",
@@ -541,6 +600,8 @@ def format_estimate(job: Job, e: Estimate) -> str:
     train = job.cfg.train
     how = (f"auto: the most that fit train.micro_batch_tokens={train.micro_batch_tokens} and divide the batch of "
            f"{plan.batch_size}" if train.micro_batch_size == "auto" else "train.micro_batch_size")
+    if job.micro_batch_note:
+        how += f", {job.micro_batch_note}"
     if plan.packing:
         lines.append(f"  micro-batch: {plan.micro_batch_size} packed row(s) of {plan.max_len} tokens ({how}); "
                      f"{plan.num_anchors} anchors per row, {1000 * plan.num_anchors / plan.max_len:.0f} per 1k tokens")

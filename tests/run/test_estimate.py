@@ -23,6 +23,7 @@ from dflash.run.estimate import (
     drafter_flops,
     estimate,
     faster_split_barred_by_batch,
+    fit_micro_batch,
     format_options,
     layout_options,
     prefill_attention_flops,
@@ -30,6 +31,7 @@ from dflash.run.estimate import (
     resolve_targets,
     seconds_per_row,
 )
+from dflash.train import run_role
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_8B = ["target=qwen3_8b", "train=paper", "dry_run=true", "estimate.nproc=8"]
@@ -269,3 +271,62 @@ def test_a_plan_that_fits_nowhere_is_refused_for_the_layout_nearest_to_fitting()
     job = long_context_job(65536, 10922)
     with pytest.raises(PlanError, match=r"a drafter rank needs an estimated 15\d\.\d GiB.*lower train.num_anchors"):
         choose_layout(layout_options(job, 8))
+
+
+# The paper preset planned for one H200 in this process; the reference configuration's shapes
+PAPER_ON_AN_H200 = ["target=qwen3_8b", "target.path=random", "train=paper", "estimate.device=cuda",
+                    "estimate.device_gib=139.8"]
+REFERENCE_CONFIGURATION = ["train.max_len=768", "train.num_anchors=256", "train.buckets=[768]"]
+
+
+def printed_plan(capsys, overrides: list[str]) -> str:
+    """What ``dry_run=true`` with these overrides prints, run in this process."""
+    run_role(compose_config([*overrides, "dry_run=true"]))
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("overrides", "micro_batch"), [([], "2 sequence(s) of up to 3072 tokens"),
+                                                        (REFERENCE_CONFIGURATION, "8 sequence(s) of up to 768 tokens")])
+def test_the_paper_preset_fills_8192_tokens_per_micro_batch(capsys, overrides, micro_batch):
+    """Twice the sequences of a 4096-token budget: on one H200 at Qwen3-8B shapes they
+    measured 5.34 against 5.29 samples/s (3072) and 13.99 against 13.90 (768), and fit."""
+    plan = printed_plan(capsys, PAPER_ON_AN_H200 + overrides)
+    assert (f"micro-batch: {micro_batch} (auto: the most that fit train.micro_batch_tokens=8192 and divide the "
+            "batch of 32)\n") in plan
+
+
+@pytest.mark.parametrize(("overrides", "usable"), [
+    (["estimate.device_gib=60"], "54.0 GiB a rank may plan on (90% of estimate.device_gib=60.0)"),  # 63.0 GiB at 8
+    (["estimate.nproc=8", "topology.target_ranks=4", "estimate.device_gib=45"],  # the drafter rank's 47.8 at 8
+     "40.5 GiB a rank may plan on (90% of estimate.device_gib=45.0)"),
+])
+def test_auto_steps_down_to_the_largest_micro_batch_that_fits_a_rank(capsys, overrides, usable):
+    """A device too small for the token budget's 8 sequences of 768 tokens, in the layout in
+    force (colocated on one GPU; a split of 4 and 4): 4 fits, and the plan says why it took 4."""
+    plan = printed_plan(capsys, PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + overrides)
+    assert ("micro-batch: 4 sequence(s) of up to 768 tokens (auto: the most that fit train.micro_batch_tokens=8192 "
+            f"and divide the batch of 32, stepped down from 8 to 4 to fit the {usable})") in plan
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ([], "to allow a faster layout, colocated data-parallel (13.84 samples/s per GPU predicted, against 8.90)"),
+    (["topology.mode=colocated"], "to split the batch into whole micro-batches over the ranks"),
+])
+def test_auto_steps_down_where_8_would_bar_colocated_data_parallel(capsys, overrides, why):
+    """On 8 ranks a batch of 32 holds 4 micro-batches of 8, too few for 8 colocated ranks:
+    4 per micro-batch keeps colocated possible, which predicts 13.84 samples/s per GPU
+    against the best split's 8.90 (and is the only layout topology.mode=colocated allows)."""
+    plan = printed_plan(capsys, PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + ["estimate.nproc=8", *overrides])
+    assert f"stepped down from 8 to 4 {why})" in plan
+    assert "colocated data-parallel      51.4 GiB per rank,  13.84 samples/s per GPU  this run" in plan
+
+
+def test_an_explicit_micro_batch_is_left_as_given(capsys):
+    """Where auto would step down to 4 (above), 8 sequences asked for are planned as 8, and
+    refused with the key to change."""
+    small = PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + ["estimate.device_gib=60", "train.micro_batch_size=8"]
+    job = build_job(compose_config(small))
+    assert fit_micro_batch(job, 1) is job
+    refused = r"colocated rank needs an estimated 63\.0 GiB.*lower .*train.micro_batch_size"
+    with pytest.raises(SystemExit, match=refused):
+        printed_plan(capsys, small)
