@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash.flex import kernel_options
 from dflash.model.attention import grouped_attention
-from dflash.model.linear import Linear, project
+from dflash.model.linear import Linear
 from dflash.model.selector import CandidateSelector, GroupedCausalConv
 
 
@@ -321,12 +321,8 @@ class Attention(nn.Module):
 
     def keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values ``[b, kv_heads, S, d]`` of ``x [b, S, H]``."""
-        return self._keys_values(*project(x, [self.k_proj, self.v_proj]), rope)
-
-    def _keys_values(self, k: torch.Tensor, v: torch.Tensor,
-                     rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        k = apply_rope(self.k_norm(self._heads(k, self.num_kv_heads)), *rope)
-        return k, self._heads(v, self.num_kv_heads)
+        k = apply_rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), *rope)
+        return k, self._heads(self.v_proj(x), self.num_kv_heads)
 
     def forward(
         self,
@@ -338,9 +334,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``ctx`` is the projected context ``[b, S, H]``, or its keys and values as
         :meth:`keys_values` gives them (decoding keeps those per position)."""
-        q, k_blk, v_blk = project(x, [self.q_proj, self.k_proj, self.v_proj])
-        q = apply_rope(self.q_norm(self._heads(q, self.num_heads)), *rope_block)
-        k_blk, v_blk = self._keys_values(k_blk, v_blk, rope_block)
+        q = apply_rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), *rope_block)
+        k_blk, v_blk = self.keys_values(x, rope_block)
         k_ctx, v_ctx = ctx if isinstance(ctx, tuple) else self.keys_values(ctx, rope_ctx)
         k = torch.cat([k_ctx, k_blk], dim=2)
         v = torch.cat([v_ctx, v_blk], dim=2)

@@ -11,9 +11,7 @@ rounded to bf16 first.
 
 The sum is the layer's ``grad_sink`` buffer. Without one, the layer is a plain
 ``nn.Linear``: evaluation, export and checkpoints never see the difference (the
-buffer is not part of the state dict). Layers that read one input, such as an
-attention's projections, train as one GEMM of their stacked weights
-(:func:`project`), while each keeps its own weight and buffer.
+buffer is not part of the state dict).
 """
 
 from __future__ import annotations
@@ -38,47 +36,32 @@ def add_weight_grad(sink: torch.Tensor, grad_out: torch.Tensor, inputs: torch.Te
 
 
 @torch.library.custom_op("dflash::sink_linear", mutates_args=())
-def sink_linear(x: torch.Tensor, weights: list[torch.Tensor], sinks: list[torch.Tensor]) -> torch.Tensor:
-    """``x @ cat(weights).T``, whose backward adds each weight's gradient into its sink.
-
-    Several weights are layers that read one input (a drafter layer's q, k and v
-    projections): one GEMM of their stacked rows, and in the backward one
-    input-gradient GEMM, where separate layers ran three of each and summed the three
-    input gradients in another pass. Its output is split back per layer by the caller.
+def sink_linear(x: torch.Tensor, weight: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T``, whose backward adds the weight's gradient into ``sink``.
 
     A custom op with its own autograd rather than an ``autograd.Function``: Dynamo
     records an op as one node, where it traces a Function's forward and backward
     into subgraphs at every call, 46 calls per drafter step. On the CPU that cut
     Dynamo's tracing of the steps by half (BENCHMARKS.md, tenth session), time a
     warm launch spends before its first step."""
-    return F.linear(x, stacked(weights))
-
-
-def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
-    """The weights as one matrix; a single one as it is, not copied."""
-    return weights[0] if len(weights) == 1 else torch.cat(weights)
+    return F.linear(x, weight)
 
 
 @sink_linear.register_fake
-def _(x, weights, sinks):
-    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+def _(x, weight, sink):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def _save_operands(ctx, inputs, output) -> None:
-    x, weights, sinks = inputs
-    ctx.save_for_backward(x, *weights)
-    ctx.sinks = sinks  # not saved: autograd's version check would refuse the sums once they grew
+    x, weight, sink = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.sink = sink  # not saved: autograd's version check would refuse the sum once it grew
 
 
 def _backward(ctx, grad: torch.Tensor):
-    x, *weights = ctx.saved_tensors
-    grad_rows, x_rows = grad.flatten(0, -2), x.flatten(0, -2)
-    start = 0
-    for weight, sink in zip(weights, ctx.sinks):
-        # a column slice of the stacked gradient: cuBLAS reads it in place, with its row stride
-        torch.ops.dflash.add_weight_grad(sink, grad_rows[:, start : start + weight.shape[0]], x_rows)
-        start += weight.shape[0]
-    return grad @ stacked(weights) if ctx.needs_input_grad[0] else None, [None] * len(weights), [None] * len(weights)
+    x, weight = ctx.saved_tensors
+    torch.ops.dflash.add_weight_grad(ctx.sink, grad.flatten(0, -2), x.flatten(0, -2))
+    return grad @ weight if ctx.needs_input_grad[0] else None, None, None
 
 
 sink_linear.register_autograd(_backward, setup_context=_save_operands)
@@ -95,31 +78,11 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=False)
         self.register_buffer("grad_sink", None, persistent=False)
 
-    def trains_into_sink(self) -> bool:
-        return self.grad_sink is not None and torch.is_grad_enabled()
-
-    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
-        """The dtype the GEMMs run in: autocast's, as autocast would cast (it leaves custom
-        ops alone). The backward runs outside autocast, and its GEMMs must see the operands
-        the forward's saw."""
-        device = x.device.type
-        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.trains_into_sink():
+        if self.grad_sink is None or not torch.is_grad_enabled():
             return super().forward(x)
-        dtype = self.compute_dtype(x)
-        return sink_linear(x.to(dtype), [self.weight.to(dtype)], [self.grad_sink])
-
-
-def project(x: torch.Tensor, layers: list[Linear]) -> list[torch.Tensor]:
-    """``[layer(x) for layer in layers]``; while training (every layer has its ``grad_sink``),
-    as one :func:`sink_linear` of the stacked weights. Otherwise layer by layer: stacking
-    copies the weights, which costs little beside a training step's GEMMs of thousands of
-    rows and more than the GEMMs themselves when decoding drafts a block of 16."""
-    if len(layers) == 1 or not all(layer.trains_into_sink() for layer in layers):
-        return [layer(x) for layer in layers]
-    dtype = layers[0].compute_dtype(x)
-    out = sink_linear(x.to(dtype), [layer.weight.to(dtype) for layer in layers],
-                      [layer.grad_sink for layer in layers])
-    return list(out.split([layer.out_features for layer in layers], dim=-1))
+        # Cast as autocast would (it leaves custom ops alone): the backward runs outside
+        # autocast, and its GEMMs must see the operands the forward's saw.
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.weight.dtype
+        return sink_linear(x.to(dtype), self.weight.to(dtype), self.grad_sink)

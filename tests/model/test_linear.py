@@ -7,7 +7,7 @@ from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash.model.linear import Linear, project
+from dflash.model.linear import Linear
 
 
 def layer(dtype: torch.dtype, device: str = "cpu") -> Linear:
@@ -137,76 +137,6 @@ def test_dynamo_records_the_layer_as_one_op():
     assert not any("autograd_function" in str(t) for t in targets)
 
 
-def projections(device: str = "cpu") -> list[Linear]:
-    """An attention's q, k and v projections of one input, bf16, each with its buffer."""
-    torch.manual_seed(3)
-    layers = [Linear(48, n).to(device) for n in (40, 16, 16)]
-    for lin in layers:
-        lin.weight.data = lin.weight.data.bfloat16()
-        lin.grad_sink = torch.zeros(lin.out_features, 48, device=device)
-    return layers
-
-
-def project_passes(layers: list[Linear], compiled: bool, device: str = "cpu", n: int = 2):
-    """``n`` forward/backward passes of :func:`project` over ``layers``; each pass's x,
-    output-gradients and input gradient."""
-    fn = lambda a: project(a, layers)
-    fn = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
-    g = torch.Generator(device).manual_seed(4)
-    seen = []
-    for _ in range(n):
-        x = torch.randn(2, 24, 48, device=device, generator=g, requires_grad=True)
-        outs = fn(x)
-        dys = [torch.randn(o.shape, device=device, generator=g).bfloat16() for o in outs]
-        torch.autograd.backward(outs, dys)
-        seen.append((x.detach().bfloat16(), dys, x.grad))
-    return seen
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_layers_of_one_input_train_as_one_gemm_with_each_layer_s_own_sum(compiled):
-    """q, k and v train as one GEMM of their stacked weights; each weight's gradient is
-    still summed in fp32 into its own buffer, and the input gradient is the sum of the
-    three, both against float64 references."""
-    torch._dynamo.reset()
-    layers = projections()
-    seen = project_passes(layers, compiled)
-    for i, lin in enumerate(layers):
-        exact = sum(dys[i].flatten(0, 1).double().T @ x.flatten(0, 1).double() for x, dys, _ in seen)
-        torch.testing.assert_close(lin.grad_sink.double(), exact, rtol=1e-6, atol=1e-5)
-        assert lin.weight.grad is None
-    for x, dys, x_grad in seen:
-        exact = sum(dy.double() @ lin.weight.double() for dy, lin in zip(dys, layers))
-        torch.testing.assert_close(x_grad.double(), exact, rtol=2e-2, atol=2e-2)  # bf16 products
-    x = torch.randn(3, 48)
-    for lin, out in zip(layers, project(x, layers)):
-        torch.testing.assert_close(out.float(), (x.bfloat16() @ lin.weight.T).float(), rtol=1e-2, atol=1e-2)
-
-
-def test_layers_of_one_input_run_one_gemm_forward_and_one_input_gradient_gemm():
-    layers = projections()
-    x = torch.randn(2, 24, 48, dtype=torch.bfloat16, requires_grad=True)
-    with OpNames() as ops:
-        outs = project(x, layers)
-    assert ops.names.count("dflash::sink_linear") == 1 and not {"aten::mm", "aten::matmul"} & set(ops.names)
-    with OpNames() as ops:
-        torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
-    assert ops.names.count("dflash::add_weight_grad") == 3
-    assert sum(ops.names.count(f"aten::{mm}") for mm in ("mm", "matmul", "bmm")) == 1
-
-
-def test_without_grad_layers_of_one_input_run_one_by_one():
-    """Decoding drafts a block of 16: stacking the weights would copy more bytes than
-    its GEMMs read."""
-    layers = projections()
-    x = torch.randn(16, 48, dtype=torch.bfloat16)
-    with torch.no_grad(), OpNames() as ops:
-        outs = project(x, layers)
-    assert "aten::cat" not in ops.names and "dflash::sink_linear" not in ops.names
-    for lin, out in zip(layers, outs):
-        assert torch.equal(out, lin(x))
-
-
 @pytest.mark.gpu
 def test_weight_gradient_sums_in_fp32_inside_the_cublas_gemm():
     """On CUDA a bf16 layer's weight-gradient GEMM writes the fp32 sum itself (``addmm``
@@ -218,14 +148,3 @@ def test_weight_gradient_sums_in_fp32_inside_the_cublas_gemm():
     rounded = sum((dy.flatten(0, 1).T @ x.flatten(0, 1)).float() for x, dy, _ in seen).double()
     assert error < 1e-4 and (rounded - exact).abs().max() > 10 * error
     assert lin.weight.grad is None
-
-
-@pytest.mark.gpu
-def test_stacked_layers_sum_each_weight_gradient_from_its_column_slice_on_cuda():
-    """On CUDA each layer's fp32 sum is one ``addmm`` over its columns of the stacked output
-    gradient, read in place with their row stride."""
-    layers = projections("cuda")
-    seen = project_passes(layers, compiled=False, device="cuda")
-    for i, lin in enumerate(layers):
-        exact = sum(dys[i].flatten(0, 1).double().T @ x.flatten(0, 1).double() for x, dys, _ in seen)
-        assert (lin.grad_sink.double() - exact).abs().max() < 1e-4
