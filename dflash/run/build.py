@@ -158,10 +158,10 @@ def active_params(module: nn.Module, text: PretrainedConfig) -> float:
 
 
 def auto_split(job: Job, world: int) -> int:
-    """``topology.target_ranks=auto``, counted on meta-device models."""
-    split = split_by_flops(job, world, *meta_models(job))
-    log.info("topology.target_ranks=auto: %d target and %d drafter ranks", split, world - split)
-    return split
+    """``topology.target_ranks=auto``, counted on meta-device models. The start log's plan
+    says what it chose; logged here, it would repeat for every micro-batch size the plan
+    tries (:func:`dflash.run.estimate.fit_micro_batch`)."""
+    return split_by_flops(job, world, *meta_models(job))
 
 
 def drafter_config(job: Job) -> DrafterConfig:
