@@ -369,11 +369,11 @@ def fits(e: Estimate) -> bool:
     return True
 
 
-def layout_options(job: Job, world_size: int) -> list[Estimate]:
+def layout_options(job: Job, world_size: int, models: tuple | None = None) -> list[Estimate]:
     """Colocated (data-parallel) and every split of ``world_size`` ranks that the batch
-    allows, estimated on one pair of meta-device models; raises the colocated layout's
-    :class:`TopologyError` if the batch allows none."""
-    models = meta_models(job)
+    allows, estimated on one pair of meta-device models (``models``, if already built);
+    raises the colocated layout's :class:`TopologyError` if the batch allows none."""
+    models = models or meta_models(job)
     options = []
     k = job.tensor_parallel
     splits = range(world_size) if k == 1 else range(k, world_size, k)  # a sharded target has no colocated layout
@@ -493,8 +493,9 @@ def fit_micro_batch(job: Job, world_size: int) -> Job:
     config and the device size only, so every rank makes the same one."""
     if job.cfg.train.micro_batch_size != "auto":
         return job
-    budget = job.plan.micro_batch_size
-    outcomes = {micro: _layout_or_refusal(replace(job, plan=replace(job.plan, micro_batch_size=micro)), world_size)
+    budget, models = job.plan.micro_batch_size, meta_models(job)  # the models do not depend on the micro-batch
+    outcomes = {micro: _layout_or_refusal(replace(job, plan=replace(job.plan, micro_batch_size=micro)), world_size,
+                                          models)
                 for micro in range(budget, 0, -1) if job.plan.batch_size % micro == 0}
     best: tuple[int, Estimate] | None = None
     for micro, outcome in outcomes.items():  # largest first; a smaller one only where strictly faster
@@ -507,10 +508,10 @@ def fit_micro_batch(job: Job, world_size: int) -> Job:
     return replace(job, plan=replace(job.plan, micro_batch_size=micro), micro_batch_note=note)
 
 
-def _layout_or_refusal(job: Job, world_size: int) -> Estimate | TopologyError | PlanError:
+def _layout_or_refusal(job: Job, world_size: int, models: tuple) -> Estimate | TopologyError | PlanError:
     """The estimate of the layout ``job`` runs in if it fits, else why it has none."""
     try:
-        options = layout_options(job, world_size)
+        options = layout_options(job, world_size, models)
         cost = of_layout(job, options, resolve_targets(job, options))
         check_fits(cost)
     except (TopologyError, PlanError) as refusal:
