@@ -33,12 +33,9 @@ from dflash.run.config import config_dir
 from dflash.run.estimate import (
     PlanError,
     check_fits,
-    fit_micro_batch,
     format_estimate,
     format_options,
-    layout_options,
-    of_layout,
-    resolve_targets,
+    plan_layout,
 )
 from dflash.run.garbage import collected_between_steps
 from dflash.run.metrics import require_wandb
@@ -60,18 +57,16 @@ def setup_logging(topo: Topology | None) -> None:
 def dry_run(cfg: DictConfig, job) -> dict:
     """Print the plan and return, touching neither weights nor the output directory."""
     world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
-    job = fit_micro_batch(job, world)
     try:
-        options = layout_options(job, world)
-        targets = resolve_targets(job, options)
-        cost = of_layout(job, options, targets)
-        check_fits(cost)
+        layout = plan_layout(job, world)
+        check_fits(layout.cost)
     except (TopologyError, PlanError) as e:
         raise SystemExit(f"dry run: the plan is refused: {e}") from None
     if int(os.environ.get("RANK", 0)) == 0:
-        print(format_estimate(job, cost), flush=True)
+        print(format_estimate(layout.job, layout.cost), flush=True)
         if world > 1:
-            print(format_options(options, targets, job.plan.micro_batch_size, job.plan.packing), flush=True)
+            plan = layout.job.plan
+            print(format_options(layout.options, layout.targets, plan.micro_batch_size, plan.packing), flush=True)
     return {"dry_run": True}
 
 
@@ -92,18 +87,16 @@ def run_role(cfg: DictConfig) -> dict:
     if cfg.dry_run:
         return dry_run(cfg, job)
     require_wandb(cfg.wandb.mode)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    job = fit_micro_batch(job, world)
-    options = layout_options(job, world)
-    topo = build_topology(job, resolve_targets(job, options))
+    layout = plan_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
+    job = layout.job
+    topo = build_topology(job, layout.targets)
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:
-        cost = of_layout(job, options, topo.num_targets if topo else 0)
-        log.info("%s", format_estimate(job, cost))
+        log.info("%s", format_estimate(job, layout.cost))
         if topo:
-            log.info("%s", format_options(options, topo.num_targets, job.plan.micro_batch_size, job.plan.packing))
+            log.info("%s", format_options(layout.options, layout.targets, job.plan.micro_batch_size, job.plan.packing))
         try:
-            check_fits(cost)
+            check_fits(layout.cost)
         except PlanError as e:
             log.warning("%s (an estimate: the run goes on)", e)
     startup.mark("the layout and the estimate")

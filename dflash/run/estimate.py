@@ -476,59 +476,85 @@ def resolve_targets(job: Job, options: list[Estimate]) -> int:
     return choose_layout(options).num_targets
 
 
-def fit_micro_batch(job: Job, world_size: int) -> Job:
-    """``job`` with ``train.micro_batch_size=auto`` stepped down where the token budget's
-    choice does not suit the ranks.
+@dataclass(frozen=True)
+class Layout:
+    """What a run plans before it starts: its job (the micro-batch fitted), the layouts
+    open to it (:func:`layout_options`) and the estimate of the one it takes."""
 
-    The token budget (:func:`~dflash.run.plan.auto_micro_batch`) looks at tokens only, so
-    a large target or drafter can get a micro-batch no rank holds, and a micro-batch too
-    large to split the batch over every rank bars the colocated layout. So each micro-batch
-    from the budget's choice down that divides the batch is planned as the run would plan
-    it (``topology.mode`` and ``topology.target_ranks`` as set; under auto, the layout
-    :func:`choose_layout` takes), and the largest whose layout fits a rank's memory is
-    taken, unless a smaller one allows a layout predicted faster (a plan without rates, a
-    CPU run's, has none faster). If none fits, ``job`` is returned as it is, and the refusal
-    (dry run) or warning (run) names the keys to change.
-    An explicit ``train.micro_batch_size`` is never changed. The choice depends on the
-    config and the device size only, so every rank makes the same one."""
+    job: Job
+    options: list[Estimate]
+    cost: Estimate
+
+    @property
+    def targets(self) -> int:
+        """Target ranks of the layout taken; 0 colocated."""
+        return self.cost.num_targets
+
+
+def plan_layout(job: Job, world_size: int) -> Layout:
+    """The micro-batch and the layout a run on ``world_size`` ranks takes, each planned once.
+
+    ``train.micro_batch_size=auto`` is stepped down where the token budget's choice does not
+    suit the ranks. The token budget (:func:`~dflash.run.plan.auto_micro_batch`) looks at
+    tokens only, so a large target or drafter can get a micro-batch no rank holds, and a
+    micro-batch too large to split the batch over every rank bars the colocated layout. So
+    each micro-batch from the budget's choice down that divides the batch is planned as the
+    run would plan it (``topology.mode`` and ``topology.target_ranks`` as set; under auto,
+    the layout :func:`choose_layout` takes), and the largest whose layout fits a rank's
+    memory is taken, unless a smaller one allows a layout predicted faster (a plan without
+    rates, a CPU run's, has none faster). If none fits, the budget's choice is kept, and the
+    refusal (dry run) or warning (run) names the keys to change. An explicit
+    ``train.micro_batch_size`` is never changed. The choice depends on the config and the
+    device size only, so every rank makes the same one.
+
+    Raises :class:`TopologyError` where the batch allows no layout, and :class:`PlanError`
+    where ``topology.mode=auto`` has none that fits; a layout over a rank's memory is
+    returned, for the caller to refuse or warn (:func:`check_fits`)."""
+    models = meta_models(job)  # the models do not depend on the micro-batch
     if job.cfg.train.micro_batch_size != "auto":
-        return job
-    budget, models = job.plan.micro_batch_size, meta_models(job)  # the models do not depend on the micro-batch
+        return _layout(job, world_size, models)
+    budget = job.plan.micro_batch_size
     outcomes = {micro: _layout_or_refusal(replace(job, plan=replace(job.plan, micro_batch_size=micro)), world_size,
                                           models)
                 for micro in range(budget, 0, -1) if job.plan.batch_size % micro == 0}
-    best: tuple[int, Estimate] | None = None
-    for micro, outcome in outcomes.items():  # largest first; a smaller one only where strictly faster
-        if isinstance(outcome, Estimate) and (best is None or outcome.samples_per_s > best[1].samples_per_s):
-            best = micro, outcome
-    if best is None or best[0] == budget:
-        return job
-    micro, cost = best
-    note = _stepped_down(job.plan, micro, cost, [outcome for m, outcome in outcomes.items() if m > micro])
-    return replace(job, plan=replace(job.plan, micro_batch_size=micro), micro_batch_note=note)
+    best: Layout | None = None
+    for outcome in outcomes.values():  # largest first; a smaller one only where strictly faster
+        if isinstance(outcome, Layout) and fits(outcome.cost) and (
+                best is None or outcome.cost.samples_per_s > best.cost.samples_per_s):
+            best = outcome
+    if best is None:
+        return _layout(job, world_size, models)  # raises, or returns the layout that check_fits refuses
+    micro = best.job.plan.micro_batch_size
+    if micro == budget:
+        return best
+    note = _stepped_down(job.plan, micro, best.cost, [outcome for m, outcome in outcomes.items() if m > micro])
+    return replace(best, job=replace(best.job, micro_batch_note=note))
 
 
-def _layout_or_refusal(job: Job, world_size: int, models: tuple) -> Estimate | TopologyError | PlanError:
-    """The estimate of the layout ``job`` runs in if it fits, else why it has none."""
+def _layout(job: Job, world_size: int, models: tuple) -> Layout:
+    options = layout_options(job, world_size, models)
+    return Layout(job, options, of_layout(job, options, resolve_targets(job, options)))
+
+
+def _layout_or_refusal(job: Job, world_size: int, models: tuple) -> Layout | TopologyError | PlanError:
+    """The layout ``job`` runs in, else why it has none."""
     try:
-        options = layout_options(job, world_size, models)
-        cost = of_layout(job, options, resolve_targets(job, options))
-        check_fits(cost)
+        return _layout(job, world_size, models)
     except (TopologyError, PlanError) as refusal:
         return refusal
-    return cost
 
 
-def _stepped_down(plan: Plan, micro: int, cost: Estimate, larger: list[Estimate | Exception]) -> str:
-    """Why the token budget's micro-batch (``plan``'s) gave way to ``micro``, whose layout is
-    ``cost``: what kept out each of the ``larger`` ones, planned as :func:`_layout_or_refusal`."""
+def _stepped_down(plan: Plan, micro: int, cost: Estimate, larger: list[Layout | Exception]) -> str:
+    """Why the token budget's micro-batch (``plan``'s) gave way to ``micro``, whose layout
+    is ``cost``: what kept out each of the ``larger`` ones (:func:`_layout_or_refusal`)."""
     reasons = []
-    if any(isinstance(outcome, PlanError) for outcome in larger):
+    planned = [outcome.cost for outcome in larger if isinstance(outcome, Layout)]
+    if any(isinstance(outcome, PlanError) for outcome in larger) or not all(map(fits, planned)):
         reasons.append(f"to fit the {USABLE_SHARE * cost.device_gib:.1f} GiB a rank may plan on ({USABLE_SHARE:.0%} of "
                        f"estimate.device_gib={cost.device_gib:.1f})")
     if any(isinstance(outcome, TopologyError) for outcome in larger):
         reasons.append("to split the batch into whole micro-batches over the ranks")
-    slower = [outcome.samples_per_s for outcome in larger if isinstance(outcome, Estimate)]
+    slower = [e.samples_per_s for e in planned if fits(e)]
     if slower:
         unit = "rows" if plan.packing else "samples"
         reasons.append(f"to allow a faster layout, {layout_name(cost)} ({cost.samples_per_s / cost.world_size:.2f} "

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dflash.run.estimate as estimate_module
 from dflash.data.bundle import flatten, random_batch, random_prefill
 from dflash.distributed.topology import TopologyError
 from dflash.flex import flash_unsupported
@@ -23,9 +24,9 @@ from dflash.run.estimate import (
     drafter_flops,
     estimate,
     faster_split_barred_by_batch,
-    fit_micro_batch,
     format_options,
     layout_options,
+    plan_layout,
     prefill_attention_flops,
     prefill_flops,
     resolve_targets,
@@ -57,15 +58,14 @@ def test_dry_run_of_an_eight_gpu_qwen3_8b_plan(tmp_path):
     assert "samples/s" in lines
 
 
-def test_a_plan_that_cannot_run_is_refused_with_the_key_to_change(tmp_path):
-    small = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=30", "estimate.device_gib=24"])
-    assert small.returncode != 0
-    assert "refused" in small.stderr and "drafter rank needs an estimated" in small.stderr
-    assert "train.micro_batch_size" in small.stderr
-    uneven = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=32", "topology.target_ranks=3"])
-    assert uneven.returncode != 0 and "train.batch_size=32 must be a multiple" in uneven.stderr
-    indivisible = dry_run(tmp_path, QWEN3_8B + ["train.batch_size=7", "train.micro_batch_size=2"])
-    assert indivisible.returncode != 0 and "train.batch_size=7 must be a multiple" in indivisible.stderr
+def test_a_plan_that_cannot_run_is_refused_with_the_key_to_change(capsys):
+    plan = [*QWEN3_8B, "target.path=random"]
+    with pytest.raises(SystemExit, match="refused.*drafter rank needs an estimated.*train.micro_batch_size"):
+        printed_plan(capsys, [*plan, "train.batch_size=30", "estimate.device_gib=24"])
+    with pytest.raises(SystemExit, match="train.batch_size=32 must be a multiple"):
+        printed_plan(capsys, [*plan, "train.batch_size=32", "topology.target_ranks=3"])
+    with pytest.raises(SystemExit, match="train.batch_size=7 must be a multiple"):
+        printed_plan(capsys, [*plan, "train.batch_size=7", "train.micro_batch_size=2"])
 
 
 def test_a_split_asked_of_the_layout_mode_suits_the_batch():
@@ -321,12 +321,23 @@ def test_auto_steps_down_where_8_would_bar_colocated_data_parallel(capsys, overr
     assert "colocated data-parallel      51.4 GiB per rank,  13.84 samples/s per GPU  this run" in plan
 
 
+def test_the_start_builds_the_meta_models_once(capsys, monkeypatch):
+    """The micro-batch sizes tried, the layouts and the one printed share one pair of
+    meta-device models: a launch plans before any rank starts work."""
+    built = []
+    real = estimate_module.meta_models
+    monkeypatch.setattr(estimate_module, "meta_models", lambda job: built.append(job) or real(job))
+    plan = printed_plan(capsys, PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + ["estimate.nproc=8"])
+    assert "stepped down from 8 to 4" in plan and "colocated data-parallel" in plan
+    assert len(built) == 1
+
+
 def test_an_explicit_micro_batch_is_left_as_given(capsys):
     """Where auto would step down to 4 (above), 8 sequences asked for are planned as 8, and
     refused with the key to change."""
     small = PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + ["estimate.device_gib=60", "train.micro_batch_size=8"]
     job = build_job(compose_config(small))
-    assert fit_micro_batch(job, 1) is job
+    assert plan_layout(job, 1).job is job
     refused = r"colocated rank needs an estimated 63\.0 GiB.*lower .*train.micro_batch_size"
     with pytest.raises(SystemExit, match=refused):
         printed_plan(capsys, small)
