@@ -5,6 +5,7 @@
     python -m dflash.bench --warmup-procs 4 compile.enabled=true train.buckets=[320]
     python -m dflash.bench --p2p target=qwen3_8b train=paper    # two GPUs: bundle bandwidth
     python -m dflash.bench --decode 64x256 target=qwen3_8b      # decoding speed: the live evaluation
+    python -m dflash.bench --train-ranks 8 target=qwen3_8b target.path=random data=synthetic train=paper
 
 Weights are random (speed does not depend on them): the target comes from the
 ``shape`` of its ``conf/target`` entry, or from the shipped model's config.json.
@@ -22,7 +23,10 @@ GPUs, gloo on the CPU) against a raw send of the same bytes. ``--decode NxM`` (s
 comma-separated) instead times what an evaluation decodes: N random prompts of 64-512
 tokens, M new tokens each (no stop token), speculative with a random drafter in batches
 of ``eval.batch_size`` and at batch 1, and the plain greedy baseline; a random drafter
-accepts about one token per cycle, the slowest case.
+accepts about one token per cycle, the slowest case. ``--train-ranks N`` instead trains
+under torchrun on N local ranks (one per GPU) in the layout the plan takes for them, and
+reports the samples/s per GPU of the last ``--steps`` optimizer steps beside the plan's
+prediction: the figure of a layout on several GPUs, step to step as training logs it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -78,6 +85,8 @@ from dflash.run.estimate import (
     anchor_context,
     drafter_flops,
     keys_per_token,
+    layout_name,
+    plan_layout,
     prefill_flops,
 )
 from dflash.run.step import DrafterTrainer
@@ -90,6 +99,9 @@ ARTIFACTS_KEY = "compile_artifacts"  # where --warmup-procs hands compiled code 
 # two rows of an epoch attend over 1.2k and 8.4k keys per token. Every row of the bench cycles
 # over the same rows, so prefill, drafter and colocated figures count the same work.
 PACKED_ROWS = 8
+# --train-ranks: optimizer steps left out before the timed ones (the first step after the compile
+# warmup still grows the allocator's pools and records CUDA graphs of the later buckets)
+UNTIMED_STEPS = 2
 
 
 def packed_batches(job: Job, vocab_size: int, count: int) -> tuple[list[MicroBatch], float]:
@@ -553,6 +565,48 @@ def run_p2p(overrides: list[str], rounds: int) -> dict:
         return {"p2p": json.loads(Path(out, "p2p.json").read_text()), "overrides": overrides}
 
 
+def run_training(overrides: list[str], ranks: int, steps: int) -> dict:
+    """``ranks`` local processes train :data:`UNTIMED_STEPS` + ``steps`` optimizer steps under
+    torchrun (``dflash.train`` as a user launches it, its layout as the plan chooses or the
+    overrides ask), then the samples/s of the last ``steps`` from the metrics they logged,
+    per GPU, beside the plan's prediction for the same layout."""
+    run = [*overrides, f"train.max_steps={UNTIMED_STEPS + steps}", "train.log_every=1", "eval.enabled=false"]
+    layout = plan_layout(build_job(compose_config(run)), ranks)
+    with tempfile.TemporaryDirectory() as out:
+        # as launch.sh starts a node: each rank sees its own GPU as cuda:0, NVLink multicast off
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+                   "--virtual-local-rank", "-m", "dflash.train", *run, f"output_dir={out}"]
+        log.info("%s", " ".join(command))
+        subprocess.run(command, check=True, env={"NCCL_NVLS_ENABLE": "0", **os.environ})
+        records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+        ranks_file = Path(out, "ranks.json")
+        summaries = json.loads(ranks_file.read_text()) if ranks_file.is_file() else []
+    timed = [r for r in records if "loss" in r][UNTIMED_STEPS:]
+    if len(timed) < steps:
+        raise RuntimeError(f"the run logged {len(timed) + UNTIMED_STEPS} steps, {UNTIMED_STEPS + steps} asked: too "
+                           "few samples for that many steps? (data.num_samples with data=synthetic)")
+    samples = sum(r["samples"] for r in timed)
+    rate = samples / sum(r["samples"] / r["samples_per_s"] for r in timed)
+    cost = layout.cost
+    predicted = cost.samples_per_s / ranks if torch.cuda.is_available() else math.nan  # the rates are a GPU's
+    return {
+        "train_ranks": ranks,
+        "overrides": overrides,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "layout": layout_name(cost) if ranks > 1 else "colocated, one process",
+        "micro_batch_size": layout.job.plan.micro_batch_size,
+        "steps": len(timed),
+        "samples_per_step": samples // len(timed),
+        "samples_per_s": round(rate, 3),
+        "samples_per_s_per_gpu": round(rate / ranks, 3),
+        "predicted_per_gpu": None if math.isnan(predicted) else round(predicted, 3),
+        "rates_from": cost.rates_from,
+        "step_samples_per_s": [round(r["samples_per_s"], 3) for r in timed],
+        "ranks": [{k: r.get(k) for k in ("rank", "role", "steps", "peak_gib")} for r in summaries],
+    }
+
+
 def parse_decode(spec: str) -> list[tuple[int, int]]:
     """``"64x256,32x2048"`` as [(prompts, new tokens), ...]."""
     try:
@@ -639,6 +693,15 @@ def format_report(report: dict) -> str:
             lines.append(f"  {r['mode']}: {r['prompts']} prompts, {r['new_tokens']} new tokens in {r['wall_s']} s, "
                          f"{r['tokens_per_s']} tokens/s{extra}")
         return "\n".join(lines)
+    if "train_ranks" in report:
+        predicted = report["predicted_per_gpu"]
+        versus = (f", predicted {predicted} ({report['rates_from']}): {report['samples_per_s_per_gpu'] / predicted:.2f}x"
+                  if predicted else ", no prediction (the plan's rates are for GPUs)")
+        peaks = ", ".join(f"{r['role']} {r['peak_gib']}" for r in report["ranks"] if r["peak_gib"] is not None)
+        return (f"training on {report['train_ranks']} rank(s) of {report['device']} (torch {report['torch']}), "
+                f"{report['layout']}, micro-batch {report['micro_batch_size']}: {report['samples_per_s']} samples/s over "
+                f"{report['steps']} steps of {report['samples_per_step']}, {report['samples_per_s_per_gpu']} per GPU"
+                f"{versus}\n  per step: {report['step_samples_per_s']}" + (f"\n  peak GiB: {peaks}" if peaks else ""))
     if "p2p" in report:
         r = report["p2p"]
         return (
@@ -694,6 +757,8 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=790.0, help="dense bf16 peak (H200 measured: 790)")
     parser.add_argument("--warmup-procs", type=int, default=0, help="time the warmup of N processes instead")
     parser.add_argument("--p2p", action="store_true", help="measure bundle bandwidth between two local ranks instead")
+    parser.add_argument("--train-ranks", type=int, default=0,
+                        help="train on N local ranks under torchrun instead; --steps optimizer steps are timed")
     parser.add_argument("--profile", choices=[*MODES, "colocated", "decode"],
                         help="also profile the drafter step of this mode, the colocated step, or (with --decode) "
                              "a batch of decoding")
@@ -711,6 +776,8 @@ def main() -> None:
                             32 if args.profile == "decode" else 0)
     elif args.p2p:
         report = run_p2p(overrides, args.steps)
+    elif args.train_ranks:
+        report = run_training(overrides, args.train_ranks, args.steps)
     elif args.warmup_procs:
         report = run_warmup(overrides, args.warmup_procs)
     else:

@@ -1,10 +1,11 @@
 """The multi-GPU figures in one command: NCCL parity, bundle bandwidth, a target:drafter
-ratio sweep with its pipeline efficiency, the public reference configuration,
-staggered against all-at-once warmup, peak memory per rank. Everything runs on a
+ratio sweep with its pipeline efficiency, the public reference configuration, the
+layout the plan chooses on 1, 2, 4, ... GPUs, staggered against all-at-once warmup,
+peak memory per rank. Everything runs on a
 random-weight target at a preset's shape with synthetic data, so nothing is
 downloaded.
 
-    python tools/multi_gpu_sweep.py --out sweep.json [--stages parity,ratios,reference,p2p,warmup]
+    python tools/multi_gpu_sweep.py --out sweep.json [--stages layouts,parity,ratios,reference,p2p,warmup]
         [--ratios 1,2,3] [--steps 30] [key=value ...]
 
 Run it on one node with two GPUs or more (``NPROC`` GPUs, default all). Each run
@@ -16,6 +17,9 @@ and each rank's peak memory. Pipeline efficiency is the measured samples/s over
 reduce-overhead drafter step). Extra ``key=value`` overrides reach every run (a
 CPU dry run: tiny ``target.shape.*`` values and ``NPROC=4``). The inductor cache
 is shared by every run (``--cache``), so only the first run of a shape compiles.
+The layouts stage trains the reference configuration with nothing chosen by hand
+(micro-batch and layout as the plan takes them) through ``dflash.bench --train-ranks``
+on each rank count, beside the plan's prediction and the rate on one GPU.
 """
 
 from __future__ import annotations
@@ -86,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*")
     parser.add_argument("--out", default="sweep.json")
-    parser.add_argument("--stages", default="parity,ratios,reference,p2p,warmup")
+    parser.add_argument("--stages", default="layouts,parity,ratios,reference,p2p,warmup")
     parser.add_argument("--cache", help="TORCHINDUCTOR_CACHE_DIR shared by every run (default: a fresh one)")
     parser.add_argument("--ratios", default="1,2,3", help="target ranks to sweep")
     parser.add_argument("--steps", type=int, default=30)
@@ -102,6 +106,22 @@ def main() -> None:
     def save() -> None:
         Path(args.out).write_text(json.dumps(report, indent=1))
 
+    if "layouts" in stages:
+        report["layouts"] = {}
+        for ranks in sorted({1, nproc, *(2**i for i in range(1, nproc.bit_length()))}):
+            out = work / f"layouts_{ranks}.json"
+            command = [sys.executable, "-m", "dflash.bench", "--train-ranks", str(ranks), "--steps", str(args.steps),
+                       "--out", str(out), *COMMON, "train.num_anchors=256", "train.max_len=768", *args.overrides]
+            print("+", " ".join(command), flush=True)
+            subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, **cache})
+            result = json.loads(out.read_text())
+            one = report["layouts"].get("1", result)
+            report["layouts"][str(ranks)] = {
+                **{k: result[k] for k in ("layout", "micro_batch_size", "samples_per_s", "samples_per_s_per_gpu",
+                                          "predicted_per_gpu", "ranks")},
+                "times_one_gpu": round(result["samples_per_s"] / one["samples_per_s"], 3),
+            }
+            save()
     if "parity" in stages:
         report["parity"] = {}
         colocated: dict[int, list[float]] = {}

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from runs import RANDOM_TARGET
 
 from dflash.bench import (
     PACKED_ROWS,
@@ -14,6 +15,7 @@ from dflash.bench import (
     run_bench,
     run_decode,
     run_p2p,
+    run_training,
     run_warmup,
 )
 from dflash.model.drafter import DFlashDrafter
@@ -99,6 +101,24 @@ def test_p2p_bench_sends_bundles_between_two_ranks():
     assert report["backend"] == "gloo" and report["bundle_mb"] > 0.32
     assert report["bundle_gb_per_s"] > 0 and report["raw_gb_per_s"] > 0
     assert "GB/s" in format_report({"p2p": report})
+
+
+@pytest.mark.parametrize("layout", [[], ["topology.target_ranks=1"]], ids=["auto", "split"])
+def test_training_bench_times_the_steps_of_a_run_on_two_ranks(layout):
+    """Two ranks under torchrun, as a user launches them: the steps after the untimed ones,
+    the samples/s of all of them together, and the layout the plan named is the one the
+    ranks ran."""
+    overrides = [*RANDOM_TARGET, "wandb.mode=disabled", "train.batch_size=4", "train.micro_batch_size=2",
+                 "train.num_anchors=4", "drafter.num_layers=1", *layout]
+    report = run_training(overrides, ranks=2, steps=2)
+    assert report["steps"] == 2 and report["samples_per_step"] == 4
+    assert len(report["step_samples_per_s"]) == 2 and report["samples_per_s"] > 0
+    assert report["samples_per_s"] == pytest.approx(2 / sum(1 / r for r in report["step_samples_per_s"]), rel=1e-2)
+    assert report["samples_per_s_per_gpu"] == pytest.approx(report["samples_per_s"] / 2, rel=1e-3)
+    roles = sorted(r["role"] for r in report["ranks"])
+    assert roles == (["colocated"] * 2 if report["layout"] == "colocated data-parallel" else ["drafter", "target"])
+    assert report["layout"] == ("1 target / 1 drafter" if layout else report["layout"])
+    assert "per GPU" in format_report(report)
 
 
 def test_prefill_flops_count_only_the_layers_that_run():
