@@ -1,9 +1,8 @@
 """The multi-GPU figures in one command: NCCL parity, bundle bandwidth, a target:drafter
 ratio sweep with its pipeline efficiency, the public reference configuration, the
 layout the plan chooses on 1, 2, 4, ... GPUs, staggered against all-at-once warmup,
-peak memory per rank. Everything runs on a
-random-weight target at a preset's shape with synthetic data, so nothing is
-downloaded.
+peak memory per rank. Everything runs on a random-weight target at a preset's shape
+with synthetic data, so nothing is downloaded.
 
     python tools/multi_gpu_sweep.py --out sweep.json [--stages layouts,parity,ratios,reference,p2p,warmup]
         [--ratios 1,2,3] [--steps 30] [key=value ...]
