@@ -59,13 +59,12 @@ def test_dry_run_of_an_eight_gpu_qwen3_8b_plan(tmp_path):
 
 
 def test_a_plan_that_cannot_run_is_refused_with_the_key_to_change(capsys):
-    plan = [*QWEN3_8B, "target.path=random"]
     with pytest.raises(SystemExit, match="refused.*drafter rank needs an estimated.*train.micro_batch_size"):
-        printed_plan(capsys, [*plan, "train.batch_size=30", "estimate.device_gib=24"])
+        printed_plan(capsys, [*QWEN3_8B, "train.batch_size=30", "estimate.device_gib=24"])
     with pytest.raises(SystemExit, match="train.batch_size=32 must be a multiple"):
-        printed_plan(capsys, [*plan, "train.batch_size=32", "topology.target_ranks=3"])
+        printed_plan(capsys, [*QWEN3_8B, "train.batch_size=32", "topology.target_ranks=3"])
     with pytest.raises(SystemExit, match="train.batch_size=7 must be a multiple"):
-        printed_plan(capsys, [*plan, "train.batch_size=7", "train.micro_batch_size=2"])
+        printed_plan(capsys, [*QWEN3_8B, "train.batch_size=7", "train.micro_batch_size=2"])
 
 
 def test_a_split_asked_of_the_layout_mode_suits_the_batch():
