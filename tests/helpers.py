@@ -47,6 +47,28 @@ def greedy_reference(model: nn.Module, prompt: list[int], total: int) -> list[in
     return seq
 
 
+def acceptance_by_hand(greedy: list[int], proposals: list[int], block: int, max_new: int,
+                       eos_ids=()) -> tuple[list[int], str | None]:
+    """Acceptance lengths of greedy speculative decoding, by hand, and how the response
+    stopped (``"draft"``, ``"bonus"`` or ``None`` for the budget). ``greedy[k]`` is the
+    target's k-th new token (0 from the prefill), ``proposals[k]`` the draft proposed for
+    it. A cycle keeps the drafts that match and adds one bonus; the cycles end at the
+    budget or with the cycle that added the first stop token, draft or bonus."""
+    if greedy[0] in eos_ids:
+        return [], "bonus"
+    k, lengths = 1, []
+    while k < max_new:
+        n = 0
+        while n < block - 1 and proposals[k + n] == greedy[k + n]:
+            n += 1
+        lengths.append(n + 1)
+        stops = [i for i in range(n + 1) if greedy[k + i] in eos_ids]
+        if stops:
+            return lengths, "draft" if stops[0] < n else "bonus"
+        k += n + 1
+    return lengths, None
+
+
 def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_size: int = 4, seed: int = 0,
                  layer_types=None, sliding_window=None, sliding_causal: bool = True) -> DFlashDrafter:
     """Two layers; ``layer_types``, ``sliding_window`` and ``sliding_causal`` as in

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import (
     OneHotHead,
+    acceptance_by_hand,
     PromptScriptDrafter,
     family_target,
     greedy_reference,
@@ -91,6 +92,27 @@ def test_ragged_acceptance_gives_every_row_the_batch_one_result(target64):
     assert batched(target64, drafter, head, ids) == expected
     assert [tokens for tokens, _ in expected] == [greedy_generate(target64, p, MAX_NEW) for p in ids]
     assert len({n for _, lengths in expected for n in lengths}) == B
+
+
+def test_a_stop_token_accepted_among_the_drafts_ends_that_rows_cycles(target64):
+    """Rows whose stop token arrives among accepted drafts end with that cycle, as the
+    hand-counted loop does; the others run on to their budget or their own stop."""
+    ids = prompts(6, seed=6)
+    drafter = prefix_drafter(target64, ids, wrong=0.3)
+    head = OneHotHead(VOCAB, torch.float64)
+    new = []  # per row: the target's new tokens and the drafts proposed for them
+    for p, (_, proposals) in zip(ids, drafter.scripts):
+        seq = greedy_reference(target64, p[0].tolist(), p.shape[1] + MAX_NEW + B)
+        new.append((seq[p.shape[1]:], proposals.tolist()[p.shape[1]:]))
+
+    def by_hand(eos):
+        return [acceptance_by_hand(greedy, proposals, B, MAX_NEW, {eos}) for greedy, proposals in new]
+
+    eos = next(t for t in range(VOCAB) if sum(how == "draft" for _, how in by_hand(t)) >= 2)
+    results = batched(target64, drafter, head, ids, eos_ids={eos})
+    assert [lengths for _, lengths in results] == [lengths for lengths, _ in by_hand(eos)]
+    assert [tokens for tokens, _ in results] == [greedy_generate(target64, p, MAX_NEW, {eos}) for p in ids]
+    assert results == batch_one(target64, drafter, head, ids, eos_ids={eos})
 
 
 def test_a_real_drafter_greedy_and_sampled(target64):

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 from helpers import (
+    acceptance_by_hand,
     family_target,
     greedy_reference,
     tiny_drafter,
@@ -108,16 +109,9 @@ def scripted(target, prompt_ids, corrupt: set[int], context: int | None = None, 
     return drafter, ScriptedHead(drafter.proposals), sequence[prompt_ids.shape[1]:]
 
 
-def reference_acceptance(greedy: list[int], proposals: list[int], prompt_len: int) -> list[int]:
-    """Acceptance lengths by hand: drafts match the greedy tokens, one bonus per cycle."""
-    k, lengths = 1, []
-    while k < MAX_NEW:
-        n = 0
-        while n < B - 1 and proposals[prompt_len + k + n] == greedy[k + n]:
-            n += 1
-        lengths.append(n + 1)
-        k += n + 1
-    return lengths
+def reference_acceptance(greedy: list[int], proposals: list[int], prompt_len: int, eos_ids=()) -> list[int]:
+    """Acceptance lengths by hand (:func:`helpers.acceptance_by_hand`); ``proposals`` cover the prompt too."""
+    return acceptance_by_hand(greedy, proposals[prompt_len:], B, MAX_NEW, eos_ids)[0]
 
 
 def test_greedy_is_lossless_with_a_random_drafter(target):
@@ -201,6 +195,24 @@ def test_stops_at_eos_and_truncates(target):
     tokens, _ = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW, eos_ids={eos})
     assert tokens == greedy[: greedy.index(eos) + 1]
     assert tokens == greedy_generate(target, ids, MAX_NEW, {eos})
+
+
+def test_a_stop_token_accepted_among_the_drafts_ends_the_cycles(target):
+    """The cycle whose accepted drafts hold the first stop token is the last: its tokens
+    after the stop are cut and no cycle follows, so tau and the histogram count only the
+    cycles that made the response."""
+    ids = prompt(4)
+    corrupt = {ids.shape[1] + 2}  # one rejection first, so the cycles do not start on the block grid
+    drafter, head, greedy = scripted(target, ids, corrupt)
+    proposals = drafter.proposals.tolist()
+    eos = next(t for i, t in enumerate(greedy[:MAX_NEW]) if t not in greedy[:i]
+               and acceptance_by_hand(greedy, proposals[ids.shape[1]:], B, MAX_NEW, {t})[1] == "draft"
+               and i > B)
+    tokens, lengths = speculative_generate(target, drafter, head, ids, max_new_tokens=MAX_NEW, eos_ids={eos})
+    assert tokens == greedy[: greedy.index(eos) + 1]
+    assert lengths == reference_acceptance(greedy, proposals, ids.shape[1], {eos})
+    assert 1 + sum(lengths) > len(tokens)  # the last cycle accepted tokens past the stop
+    assert len(lengths) < len(reference_acceptance(greedy, proposals, ids.shape[1]))
 
 
 def test_sampling_is_seeded_and_in_vocab(target):
