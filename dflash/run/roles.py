@@ -153,7 +153,8 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
     loop = StepLoop(settings, trainer, drafting.metrics, guard, proto, evaluator=evaluator)
     step = loop.run(feed, drafting.start, steps)
     summary = {
-        "role": "colocated", "steps": step, "train_s": round(time.perf_counter() - started, 1),
+        "role": "colocated", "steps": step, "samples_trained": int(trainer.samples_trained),
+        "train_s": round(time.perf_counter() - started, 1),
         "warmup_s": reports[0 if topo is None else topo.rank]["wall_s"], "peak_gib": peak_memory_gib(device),
     }
     export_dir = export_drafter(settings, trainer, device) if first and step == steps else None
@@ -312,7 +313,8 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     for record in evaluator.finish(step == steps) if evaluator else ():
         metrics.log_eval(record)
     summary = {
-        "role": "drafter", "steps": step, "train_s": round(time.perf_counter() - started, 1),
+        "role": "drafter", "steps": step, "samples_trained": int(trainer.samples_trained),
+        "train_s": round(time.perf_counter() - started, 1),
         "receive_wait_s": round(receiver.wait_s, 2), "bytes_received": receiver.bytes_received,
     }
     if is_metrics and step == steps:

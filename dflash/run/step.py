@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -58,6 +58,22 @@ class StepStats:
     tokens: torch.Tensor
     malformed: torch.Tensor  # rows whose position ids are no sample boundaries
     samples: torch.Tensor  # samples trained on: rows, or the samples packed into them
+
+    @classmethod
+    def zeros(cls, block_size: int, device: torch.device) -> StepStats:
+        """Empty sums: scalars, and one entry per block slot for the accuracy counts."""
+        per_slot = {"correct", "counted"}
+        return cls(**{f.name: torch.zeros(block_size if f.name in per_slot else (), device=device)
+                      for f in fields(cls)})
+
+    def reduced(self, group=None) -> StepStats:
+        """The sums over the ranks of ``group`` (``None``: this rank's), in one all-reduce."""
+        parts = [getattr(self, f.name) for f in fields(self)]
+        flat = torch.cat([t.reshape(-1) for t in parts])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        pieces = flat.split([t.numel() for t in parts])
+        return StepStats(*(piece.reshape(t.shape) for piece, t in zip(pieces, parts)))
 
 
 def malformed_rows(position_ids: torch.Tensor) -> torch.Tensor:
@@ -158,6 +174,7 @@ class DrafterTrainer:
         self.mask_parts = compile_settings.compile(self._mask_parts, mode="default") if self.compiled else self._mask_parts
         self.fixed_addresses = FixedAddresses()
         self.stats = self._fresh_stats()
+        self.samples_trained = torch.zeros((), device=self.device)  # by this rank, over the run: its share
         self.selector = drafter.config.dflash2 is not None
         # a device tensor, read by the compiled step: a new weight each step recompiles nothing
         self.selector_alpha = torch.zeros((), device=self.device)
@@ -185,10 +202,7 @@ class DrafterTrainer:
         return step
 
     def _fresh_stats(self) -> StepStats:
-        scalar = torch.zeros((), device=self.device)
-        per_slot = torch.zeros(self.obj.block_size, device=self.device)
-        return StepStats(scalar, scalar.clone(), per_slot, per_slot.clone(), scalar.clone(), scalar.clone(),
-                         scalar.clone())
+        return StepStats.zeros(self.obj.block_size, self.device)
 
     def _mask_parts(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> dict[str, MaskParts]:
         """The micro-batch's attention masks (a sliding layer's too) as plain tensors.
@@ -316,19 +330,17 @@ class DrafterTrainer:
                 "the drafter's gradient buffers were replaced (by .to(), .double() or a copy after the trainer "
                 "was built): its linear layers' gradients no longer reach the optimizer"
             )
-        s, self.stats = self.stats, self._fresh_stats()
-        sums = torch.cat([s.loss_sum[None], s.weight_sum[None], s.correct, s.counted, s.malformed[None],
-                          s.samples[None], s.tokens[None]])
+        mine, self.stats = self.stats, self._fresh_stats()
+        self.samples_trained += mine.samples
         if group is not None:
             for g in self.grads:
                 dist.all_reduce(g, group=group)
-            dist.all_reduce(sums, group=group)
-        if sums[-3] > 0:
-            raise ValueError(f"{int(sums[-3])} micro-batch rows of this step carried position ids that are no sample "
+        s = mine.reduced(group)
+        if s.malformed > 0:
+            raise ValueError(f"{int(s.malformed)} micro-batch rows of this step carried position ids that are no sample "
                              "boundaries (each row counts 0, 1, 2, ... and restarts at 0 where a packed sample starts)")
-        b = self.obj.block_size
-        loss_sum, weight, correct, counted = sums[0], float(sums[1]), sums[2 : 2 + b], sums[2 + b : 2 + 2 * b]
-        loss = float(loss_sum) / weight if weight > 0 else float("nan")
+        weight = float(s.weight_sum)
+        loss = float(s.loss_sum) / weight if weight > 0 else float("nan")
         if weight <= 0 or not math.isfinite(loss):
             torch._foreach_zero_(self.grads)
             return None
@@ -347,9 +359,9 @@ class DrafterTrainer:
             "loss": loss,
             "grad_norm": grad_norm,
             "lr": lr,
-            "acc": (correct / counted.clamp(min=1)).cpu(),
-            "samples": int(sums[-2]),
-            "tokens": int(sums[-1]),
+            "acc": (s.correct / s.counted.clamp(min=1)).cpu(),
+            "samples": int(s.samples),
+            "tokens": int(s.tokens),
         }
 
 

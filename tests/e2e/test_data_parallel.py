@@ -15,6 +15,7 @@ from runs import (
 )
 
 STEPS = ["train.max_steps=8", "checkpoint.every=4", "checkpoint.keep=10"]
+BATCH = 4  # train.batch_size in runs.TINY
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +28,16 @@ def colocated(tmp_path_factory) -> list[float]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_losses_match_one_colocated_process(colocated, tmp_path, world):
     """Each rank prefills and trains on its share of every step; the gradient and loss
-    sums are reduced over all ranks, so only their order differs from one process."""
+    sums are reduced over all ranks, so only their order differs from one process. The
+    loss, normalised by the reduced weight, would be the same if every rank trained the
+    whole step: the samples per step and per rank tell the two apart."""
     run_data_parallel(tmp_path, world, STEPS)
-    assert [m["loss"] for m in read_metrics(tmp_path)] == pytest.approx(colocated, rel=1e-5, abs=1e-6)
+    records = read_metrics(tmp_path)
+    assert [m["loss"] for m in records] == pytest.approx(colocated, rel=1e-5, abs=1e-6)
+    assert [m["samples"] for m in records] == [BATCH] * 8
     ranks = json.loads((tmp_path / "ranks.json").read_text())
     assert [(r["rank"], r["role"], r["steps"]) for r in ranks] == [(r, "colocated", 8) for r in range(world)]
+    assert [r["samples_trained"] for r in ranks] == [8 * BATCH // world] * world
     assert (tmp_path / "export" / "model.safetensors").is_file()
 
 
