@@ -76,3 +76,18 @@ def test_a_restart_at_the_same_step_keeps_one_data_record(tmp_path):
     MetricsLogger(tmp_path, {"mode": "disabled"}, {}, start_step=2).log_data({"samples": 5, "skipped": {}})
     assert [(r["step"], "data/samples" in r) for r in read_records(tmp_path)] == [(0, True), (1, False), (2, False),
                                                                                    (2, True)]
+
+
+def test_a_dflash2_run_resumes_at_its_selector_weight(tmp_path):
+    """The selector's loss weight follows the schedule of the step resumed at: off for
+    two steps, ramped over two, then whole; the run resumed after step 4 logs the losses
+    of the uninterrupted one (a weight left at its step-0 value, 0, would not)."""
+    dflash2 = STEPS + ["drafter.variant=dflash2", "drafter.selector_rank=8", "drafter.selector_top_k=4",
+                       "loss.selector_warmup=0.25", "loss.selector_ramp=0.25"]
+    run_colocated(tmp_path / "straight", dflash2)
+    straight = [m["loss"] for m in read_metrics(tmp_path / "straight")]
+    run_colocated(tmp_path / "resumed", dflash2)
+    forget_after_step_4(tmp_path / "resumed")
+    run_colocated(tmp_path / "resumed", dflash2)
+    assert starts(tmp_path / "resumed") == [0, 4]
+    assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == pytest.approx(straight, rel=1e-6, abs=1e-6)
