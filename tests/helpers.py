@@ -1,11 +1,13 @@
 """Tiny models, heads and tokenizers the tests build in memory (no files, no network)."""
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash.model.drafter import ContextKV, DFlashDrafter, DrafterConfig, TargetHead
+from dflash.model.drafter import ContextKV, DFlash2Config, DFlashDrafter, DrafterConfig, TargetHead
 
 
 def tiny_target(num_layers: int = 6, hidden: int = 64, vocab: int = 96, seed: int = 0) -> Qwen3ForCausalLM:
@@ -92,6 +94,20 @@ def tiny_drafter(hidden: int = 64, vocab: int = 96, layer_ids=(1, 2, 3), block_s
         sliding_causal=sliding_causal,
     )
     return DFlashDrafter(cfg)
+
+
+def tiny_dflash2(seed: int = 0, **dflash2) -> DFlashDrafter:
+    """:func:`tiny_drafter` as DFlash2 (kernel 2, groups of 16, selector rank 8, top 4;
+    ``dflash2`` overrides), every parameter random, so that no convolution is the
+    identity and no name mix-up hides behind an initial value."""
+    selector = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    cfg = dataclasses.replace(tiny_drafter().config, dflash2=dataclasses.replace(selector, **dflash2))
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(std=0.1)
+    return drafter.eval()
 
 
 def flat_grads(trainer) -> torch.Tensor:

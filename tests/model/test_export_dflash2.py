@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import forward_on_noise, tiny_drafter, tiny_head
+from helpers import forward_on_noise, tiny_dflash2, tiny_drafter, tiny_head
 from safetensors import safe_open
 
 from dflash.model.drafter import DFlash2Config, DFlashDrafter, DrafterConfig
@@ -19,17 +19,6 @@ from dflash.model.export import (
 )
 
 REFERENCE = json.loads((Path(__file__).parents[1] / "fixtures" / "dflash2_reference.json").read_text())
-SELECTOR = DFlash2Config(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
-
-
-def tiny_dflash2(seed: int = 0, **dflash2) -> DFlashDrafter:
-    cfg = dataclasses.replace(tiny_drafter().config, dflash2=dataclasses.replace(SELECTOR, **dflash2))
-    torch.manual_seed(seed)
-    drafter = DFlashDrafter(cfg)
-    with torch.no_grad():  # nothing left at its initial value: a name mix-up shows in the outputs
-        for p in drafter.parameters():
-            p.normal_(std=0.1)
-    return drafter.eval()
 
 
 def reference_drafter_config() -> DrafterConfig:

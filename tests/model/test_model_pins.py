@@ -115,3 +115,68 @@ def test_a_bf16_drafter_keeps_its_rope_frequencies_in_fp32(tmp_path: Path):
         cos, sin = bf16.rotary(positions, torch.bfloat16)  # computed in fp32, then rounded once
         assert torch.equal(cos, want_cos.to(torch.bfloat16)) and torch.equal(sin, want_sin.to(torch.bfloat16)), name
     assert drafter.rotary.inv_freq.dtype == torch.float32 and torch.equal(drafter.rotary.inv_freq, fp32)
+
+
+# DFlash2 layers with convolutions that are not the identity ------------------------------
+
+
+def conv_by_hand(x: torch.Tensor, base: torch.Tensor, delta: torch.Tensor, block: int) -> torch.Tensor:
+    """Row ``t`` is ``sum_k (base[k] + delta[t, k] per group) * x[t - k]``, reading no row
+    before its block's first: ``x [rows, H]``, ``base [K, H]``, ``delta [rows, K, G]``."""
+    rows, hidden = x.shape
+    taps, groups = delta.shape[-2:]
+    out = torch.zeros_like(x)
+    for t in range(rows):
+        for k in range(taps):
+            if t - k >= t - t % block:
+                out[t] += (base[k] + delta[t, k].repeat_interleave(hidden // groups)) * x[t - k]
+    return out
+
+
+@pytest.mark.parametrize("drafted_only", [False, True])
+def test_dflash2_layers_equal_a_hand_formula_with_random_convolutions(drafted_only: bool):
+    """A DFlash2 drafter whose convolutions are random (not the identity they start as)
+    gives, on two blocks under the training mask, the hidden states of a hand loop: per
+    layer, the attention's input and output and the MLP's input and output each convolved
+    inside its block (kernels from the sublayer input's projection), the residuals around
+    each convolved sublayer, the final norm; with ``drafted_only``, slot 0 of each block
+    dropped after the last MLP."""
+    from helpers import tiny_dflash2
+
+    from dflash.objective.masks import build_mask
+
+    drafter = tiny_dflash2(seed=3).double()
+    B, S, H = drafter.config.block_size, 9, drafter.config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    features = torch.randn(2, S, 3 * H, generator=g, dtype=torch.float64)
+    anchors = torch.tensor([[2, 6], [1, 5]])
+    blocks = torch.randn(2, 2 * B, H, generator=g, dtype=torch.float64)
+    ctx_positions = torch.arange(S).expand(2, S)
+    block_positions = (anchors[..., None] + torch.arange(B)).flatten(1)
+    mask = build_mask(anchors, S, B, use_flex=False)
+    with torch.no_grad():
+        got = drafter(features, blocks, ctx_positions, block_positions, mask, drafted_only=drafted_only)
+
+        ctx = drafter.context(features, torch.float64)
+        rope_ctx, rope_block = drafter.rotary(ctx_positions, torch.float64), drafter.rotary(block_positions, torch.float64)
+        K = drafter.config.dflash2.conv_kernel_size
+        x = blocks.clone()
+        for layer in drafter.layers:
+            for conv, sublayer, norm in ((layer.attention_conv, "attention", layer.input_layernorm),
+                                         (layer.mlp_conv, "mlp", layer.post_attention_layernorm)):
+                h = norm(x)
+                delta = conv.kernel_projection(h).unflatten(-1, (2, K, conv.groups))
+                inner = torch.stack([conv_by_hand(h[r], conv.base_kernel[0], delta[r, :, 0], B) for r in range(2)])
+                y = layer.self_attn(inner, ctx, rope_block, rope_ctx, mask) if sublayer == "attention" else layer.mlp(inner)
+                x = x + torch.stack([conv_by_hand(y[r], conv.base_kernel[1], delta[r, :, 1], B) for r in range(2)])
+        want = drafter.norm(x)
+        if drafted_only:
+            want = want.unflatten(1, (2, B))[:, :, 1:].flatten(1, 2)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() < 1e-12
+    # the convolutions matter: the same weights as plain DFlash layers give other states
+    plain = DFlashDrafter(dataclasses.replace(drafter.config, dflash2=None)).double()
+    plain.load_state_dict(drafter.state_dict(), strict=False)
+    with torch.no_grad():
+        other = plain(features, blocks, ctx_positions, block_positions, mask, drafted_only=drafted_only)
+    assert (other - want).abs().max() > 0.01
