@@ -65,7 +65,8 @@ from dflash.decode.batch import (
     greedy_batch_steps,
     speculative_batch_steps,
 )
-from dflash.decode.speculative import run_to_end, tau
+from dflash.decode.evaluate import tau
+from dflash.decode.speculative import run_to_end
 from dflash.device import peak_memory_gib, synchronize
 from dflash.distributed.protocol import free_port, get_bytes, put_bytes, set_rank_env
 from dflash.distributed.transport import BundleReceiver, BundleSender

@@ -6,7 +6,7 @@
 
 Prompts are decoded ``--batch-size`` at a time against the HF target, each row with its
 own acceptance (:mod:`dflash.decode.batch`), greedy (lossless-checked) and sampled;
-:mod:`dflash.decode.speculative` is the decoding and the report it writes,
+:mod:`dflash.decode.evaluate` runs the decoding and writes the report,
 :mod:`dflash.decode.benchmarks` the public sets built as z-lab's harness builds them.
 ``--drafter`` takes any drafter directory in the z-lab layout: this project's export or
 a released, SpecForge or other checkpoint; one made for another target, or with config
@@ -30,16 +30,15 @@ from dflash.decode.benchmarks import (
     harness_record,
     parse_bench,
 )
-from dflash.decode.speculative import (
+from dflash.decode.evaluate import (
     BASELINE_FILE,
-    DecodeSettings,
-    check_drafter_config,
     evaluate_datasets,
     format_table,
     load_prompts,
 )
+from dflash.decode.speculative import DecodeSettings
 from dflash.model.drafter import TargetHead
-from dflash.model.export import load_export
+from dflash.model.export import check_drafter_config, load_export
 from dflash.model.target import TargetSource
 
 

@@ -2,7 +2,7 @@
 
 One renderer and one end-of-reply rule for every place that prompts the target or
 reads its replies: training's loss masks (:mod:`dflash.data.dataset`), decoding's
-prompts and stops (:mod:`dflash.decode.speculative`) and regeneration
+prompts and stops (:mod:`dflash.decode.evaluate`) and regeneration
 (:mod:`dflash.regenerate`). So the drafter learns each reply in the context the
 target is given when it decodes, and is taught to end a reply exactly where the
 target stops. The template arguments (``data.chat_template_kwargs``, e.g. Qwen3's

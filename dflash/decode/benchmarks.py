@@ -42,7 +42,8 @@ from transformers import PreTrainedTokenizerBase
 from dflash.data.records import BadRecord, iter_records
 from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.batch import baseline_steps, speculative_batch_steps
-from dflash.decode.speculative import check_compatible, divergence, run_to_end, tau
+from dflash.decode.evaluate import check_compatible, divergence, tau
+from dflash.decode.speculative import run_to_end
 from dflash.model.drafter import DFlashDrafter, TargetHead
 
 log = logging.getLogger("dflash.decode.benchmarks")

@@ -37,14 +37,8 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from dflash.decode.baseline import GreedyBaselines
-from dflash.decode.speculative import (
-    DecodeSettings,
-    decoding_attention,
-    encode_prompt,
-    evaluate_steps,
-    load_prompts,
-    run_to_end,
-)
+from dflash.decode.evaluate import encode_prompt, evaluate_steps, load_prompts
+from dflash.decode.speculative import DecodeSettings, decoding_attention, run_to_end
 from dflash.distributed.protocol import Protocol
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, TargetHead
 from dflash.model.target import Target

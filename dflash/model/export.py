@@ -19,6 +19,7 @@ the released DFlash2 drafters have them (``tests/fixtures/dflash2_reference.json
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -197,3 +198,47 @@ def init_from(drafter: DFlashDrafter, path: str | Path) -> None:
     if differ:
         raise ValueError(f"drafter.init_from={path} does not fit this target's drafter ({'; '.join(differ)})")
     drafter.load_state_dict(load_file(path / "model.safetensors"), strict=True)
+
+
+# Keys of a drafter's config.json that loading understands: Qwen3Config's (transformers 4.57
+# and 5.x spellings), what HF writes into every saved config, and the DFlash layout's own.
+KNOWN_CONFIG_FIELDS = frozenset({
+    "architectures", "auto_map", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
+    "attention_bias", "attention_dropout", "hidden_act", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "max_position_embeddings", "vocab_size", "tie_word_embeddings", "initializer_range",
+    "layer_types", "max_window_layers", "use_sliding_window", "sliding_window", "use_cache", "is_causal",
+    "bos_token_id", "eos_token_id", "pad_token_id", "block_size", "num_target_layers", "dflash_config",
+})
+
+
+KNOWN_DFLASH_FIELDS = frozenset({
+    "mask_token_id", "target_layer_ids", "block_size", "num_target_layers",
+    "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",  # DFlash2
+    # read so that the loader refuses them with its own reason
+    "output_multiplier", "final_logit_softcapping", "input_embedding_scale", "causal", "use_swa",
+})
+
+
+def unknown_fields(config: Mapping) -> list[str]:
+    """The keys of a drafter's ``config.json`` that no loader here reads: each may change
+    what the drafter computes (a quantization, a vocabulary map, another attention), so a
+    drafter carrying one would be scored as something it is not."""
+    top = [k for k in config if k not in KNOWN_CONFIG_FIELDS]
+    dflash = [f"dflash_config.{k}" for k in config.get("dflash_config") or {} if k not in KNOWN_DFLASH_FIELDS]
+    return sorted(top) + sorted(dflash)
+
+
+def check_drafter_config(path: str | Path) -> dict:
+    """A drafter directory's ``config.json``, refused with the reason when it is not a
+    DFlash layout this decoding runs: no config, or fields it would ignore."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{path}: no config.json; --drafter takes a drafter directory in the z-lab layout "
+                         "(config.json + model.safetensors)")
+    config = json.loads(config_path.read_text())
+    unknown = unknown_fields(config)
+    if unknown:
+        raise ValueError(f"{path}: config.json has fields this decoding does not read, so the drafter would not be "
+                         f"run as it was trained: {', '.join(unknown)}")
+    return config

@@ -25,6 +25,7 @@ from dflash.compile import (
     staggered_warmup,
     warmup_turn,
 )
+from dflash.decode.evaluate import evaluate_datasets, format_table
 from dflash.decode.live import (
     EvalServer,
     Evaluator,
@@ -32,7 +33,6 @@ from dflash.decode.live import (
     RemoteEval,
     check_held_out_prompts,
 )
-from dflash.decode.speculative import evaluate_datasets, format_table
 from dflash.device import peak_memory_gib
 from dflash.distributed.protocol import Protocol
 from dflash.distributed.topology import Topology

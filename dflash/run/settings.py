@@ -12,8 +12,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.decode.evaluate import BASELINE_FILE
 from dflash.decode.live import LiveEvalSettings
-from dflash.decode.speculative import BASELINE_FILE, DecodeSettings
+from dflash.decode.speculative import DecodeSettings
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ from helpers import tiny_drafter, tiny_target, word_tokenizer
 from dflash.data.dataset import turn_tokens
 from dflash.data.template import encode, render, reply_end_ids
 from dflash.decode import batch, speculative
-from dflash.decode.speculative import DecodeSettings, evaluate
+from dflash.decode import evaluate as evaluate_module
+from dflash.decode.evaluate import evaluate
+from dflash.decode.speculative import DecodeSettings
 from dflash.model.drafter import TargetHead
 from dflash.model.target import TargetSource
 from dflash.regenerate import LocalTarget, Sampling
@@ -131,8 +133,8 @@ def test_thinking_changes_the_qwen3_prompt_alike_at_every_site():
     prompt; the template arguments reach every site."""
     family = FAMILIES["qwen3 thinking"]
     tokenizer = family.tokenizer()
-    on = speculative.encode_prompt(tokenizer, [user("2+2?")], {"enable_thinking": True})[0].tolist()
-    off = speculative.encode_prompt(tokenizer, [user("2+2?")], {"enable_thinking": False})[0].tolist()
+    on = evaluate_module.encode_prompt(tokenizer, [user("2+2?")], {"enable_thinking": True})[0].tolist()
+    off = evaluate_module.encode_prompt(tokenizer, [user("2+2?")], {"enable_thinking": False})[0].tolist()
     assert tokenizer.decode(off[len(on) :]) == "<think>\n\n</think>\n\n" and off[: len(on)] == on
     regenerate = LocalTarget(target_of(family, tokenizer), tokenizer,
                              Sampling(max_new_tokens=8, template_kwargs={"enable_thinking": False}))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from helpers import (
     OneHotHead,
-    acceptance_by_hand,
     PromptScriptDrafter,
+    acceptance_by_hand,
     family_target,
     greedy_reference,
     tiny_drafter,

@@ -22,14 +22,15 @@ from dflash.decode.benchmarks import (
     render_prompt,
     sample_rows,
 )
-from dflash.decode.speculative import (
-    check_compatible,
-    check_drafter_config,
-    unknown_fields,
-)
+from dflash.decode.evaluate import check_compatible
 from dflash.eval import main
 from dflash.model.drafter import DFlashDrafter
-from dflash.model.export import hf_config, save_export
+from dflash.model.export import (
+    check_drafter_config,
+    hf_config,
+    save_export,
+    unknown_fields,
+)
 from dflash.model.target import TargetSource
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "benchmarks"

@@ -20,17 +20,19 @@ from torch.nn import functional as F
 from transformers import DynamicCache
 
 from dflash.decode.baseline import GreedyBaselines
+from dflash.decode.evaluate import (
+    describe_divergences,
+    divergence,
+    encode_prompt,
+    load_prompts,
+    tau,
+)
 from dflash.decode.speculative import (
     DecodeSettings,
     accept,
     croppable,
-    describe_divergences,
-    divergence,
-    encode_prompt,
     greedy_generate,
-    load_prompts,
     speculative_generate,
-    tau,
     with_cache,
 )
 from dflash.eval import main
@@ -335,7 +337,7 @@ def test_a_kept_greedy_baseline_is_reused_not_decoded_again(target, monkeypatch,
     evaluation reuses them and reports the same lossless check; so does a later one that
     reads them from their file (a resumed run)."""
     import dflash.decode.batch as batch_module
-    import dflash.decode.speculative as eval_module
+    import dflash.decode.evaluate as eval_module
 
     tokenizer, drafter, head = word_tokenizer(VOCAB), tiny_drafter(vocab=VOCAB, block_size=B).eval(), TargetHead.of(target)
     prompts = [[{"role": "user", "content": f"w{i} w{i + 3}"}] for i in range(3)]

@@ -9,7 +9,8 @@ import pytest
 import torch
 from helpers import tiny_drafter, tiny_target, word_tokenizer
 
-from dflash.decode.speculative import DecodeSettings, evaluate_datasets
+from dflash.decode.evaluate import evaluate_datasets
+from dflash.decode.speculative import DecodeSettings
 from dflash.model.drafter import TargetHead
 from dflash.model.export import save_export
 

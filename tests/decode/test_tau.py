@@ -22,13 +22,8 @@ from helpers import (
 from torch import nn
 
 from dflash.data.template import reply_end_ids
-from dflash.decode.speculative import (
-    DecodeSettings,
-    encode_prompt,
-    evaluate,
-    evaluate_datasets,
-    tau,
-)
+from dflash.decode.evaluate import encode_prompt, evaluate, evaluate_datasets, tau
+from dflash.decode.speculative import DecodeSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,7 +99,7 @@ def test_report_averages_per_response_then_over_responses_and_datasets(target, t
     """Through evaluate_datasets, which writes eval.json: dataset "perfect" has tau B,
     dataset "mixed" (one perfect, one always-wrong response) (B + 1) / 2, and the
     report's headline tau is the mean of the two."""
-    import dflash.decode.speculative as eval_module
+    import dflash.decode.evaluate as eval_module
 
     tokenizer = word_tokenizer(VOCAB)
     perfect = {1: True, 2: True, 3: True, 4: False}
