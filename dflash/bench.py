@@ -84,10 +84,10 @@ from dflash.run.checkpoint import CheckpointWriter, checkpoints
 from dflash.run.config import compose_config
 from dflash.run.estimate import (
     anchor_context,
+    choose_layout,
     drafter_flops,
     keys_per_token,
     layout_name,
-    plan_layout,
     prefill_flops,
 )
 from dflash.run.step import DrafterTrainer
@@ -572,7 +572,7 @@ def run_training(overrides: list[str], ranks: int, steps: int) -> dict:
     overrides ask), then the samples/s of the last ``steps`` from the metrics they logged,
     per GPU, beside the plan's prediction for the same layout."""
     run = [*overrides, f"train.max_steps={UNTIMED_STEPS + steps}", "train.log_every=1", "eval.enabled=false"]
-    layout = plan_layout(build_job(compose_config(run)), ranks)
+    layout = choose_layout(build_job(compose_config(run)), ranks)
     with tempfile.TemporaryDirectory() as out:
         # as launch.sh starts a node: each rank sees its own GPU as cuda:0, NVLink multicast off
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",

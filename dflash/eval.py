@@ -1,13 +1,13 @@
 """Score a drafter with real speculative decoding on prompt sets or the public benchmarks.
 
     python -m dflash.eval --drafter outputs/demo/export [--data name=file.jsonl ...]
-    python -m dflash.eval --target /models/Qwen3-8B --drafter DIR --bench gsm8k,math500,humaneval,mbpp,mt-bench
+    python -m dflash.eval --target /models/Qwen3-8B --drafter DIR --sets gsm8k,math500,humaneval,mbpp,mt-bench
     python -m dflash.eval --compare ours/eval.json released/eval.json
 
 Prompts are decoded ``--batch-size`` at a time against the HF target, each row with its
 own acceptance (:mod:`dflash.decode.batch`), greedy (lossless-checked) and sampled;
 :mod:`dflash.decode.evaluate` runs the decoding and writes the report,
-:mod:`dflash.decode.benchmarks` the public sets built as z-lab's harness builds them.
+:mod:`dflash.decode.public_sets` the public sets built as z-lab's harness builds them.
 ``--drafter`` takes any drafter directory in the z-lab layout: this project's export or
 a released, SpecForge or other checkpoint; one made for another target, or with config
 fields the decoding would ignore, is refused with the reason.
@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from dflash.decode.baseline import GreedyBaselines
-from dflash.decode.benchmarks import (
+from dflash.decode.public_sets import (
     HarnessSettings,
     compare_table,
-    evaluate_benchmarks,
+    evaluate_sets,
     harness_record,
-    parse_bench,
+    parse_sets,
 )
 from dflash.decode.evaluate import (
     BASELINE_FILE,
@@ -55,16 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", default="demo", help="local HF model directory, or 'demo'")
     ap.add_argument("--drafter", help="drafter directory in the z-lab layout (config.json + model.safetensors)")
     ap.add_argument("--data", nargs="+", default=["demo=demo_heldout"], help="name=path.jsonl entries")
-    ap.add_argument("--bench", default=None, metavar="SETS",
+    ap.add_argument("--sets", default=None, metavar="SETS",
                     help="public sets instead of --data, comma-separated: gsm8k,math500,humaneval,mbpp,mt-bench; "
                     "name=path reads that set's rows from a local file in its schema")
-    ap.add_argument("--bench-dir", default=None, help="read each --bench set from <dir>/<name>.jsonl")
+    ap.add_argument("--sets-dir", default=None, help="read each --sets set from <dir>/<name>.jsonl")
     ap.add_argument("--max-samples", type=positive, default=None,
-                    help="--bench: rows kept per set after the harness's seeded shuffle (default: all)")
-    ap.add_argument("--sample-seed", type=int, default=0, help="--bench: the shuffle's seed (the harness's is 0)")
-    ap.add_argument("--enable-thinking", action="store_true", help="--bench: render prompts with thinking on")
+                    help="--sets: rows kept per set after the harness's seeded shuffle (default: all)")
+    ap.add_argument("--sample-seed", type=int, default=0, help="--sets: the shuffle's seed (the harness's is 0)")
+    ap.add_argument("--enable-thinking", action="store_true", help="--sets: render prompts with thinking on")
     ap.add_argument("--max-prompts", type=positive, default=64)
-    ap.add_argument("--max-new-tokens", type=positive, default=None, help="default 256, or 2048 with --bench")
+    ap.add_argument("--max-new-tokens", type=positive, default=None, help="default 256, or 2048 with --sets")
     ap.add_argument("--temperature", type=float, nargs="+", default=[0.0])
     ap.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
     ap.add_argument("--seed", type=int, default=0)
@@ -83,12 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help='chat template arguments as in training\'s data.chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
     ap.add_argument("--out", default=None, help="report path; default <output_dir>/eval.json next to the export")
     ap.add_argument("--compare", nargs=2, default=None, metavar=("OURS", "RELEASED"),
-                    help="print (and with --out write) one table of two --bench reports instead of evaluating")
+                    help="print (and with --out write) one table of two --sets reports instead of evaluating")
     args = ap.parse_args(argv)
     if args.compare is None and args.drafter is None:
         ap.error("--drafter is required (or --compare)")
-    if args.bench is not None and len(args.temperature) != 1:
-        ap.error("--bench takes one --temperature, as the harness")
+    if args.sets is not None and len(args.temperature) != 1:
+        ap.error("--sets takes one --temperature, as the harness")
     return args
 
 
@@ -101,10 +101,10 @@ def compare(args: argparse.Namespace) -> str:
     return table
 
 
-def bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, out: Path) -> dict:
-    """``--bench``: the public sets as z-lab's harness builds them; the report is
+def score_sets(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, out: Path) -> dict:
+    """``--sets``: the public sets as z-lab's harness builds them; the report is
     ``eval.json``'s with the harness settings it was measured under."""
-    benches = parse_bench(args.bench, args.bench_dir)
+    sets = parse_sets(args.sets, args.sets_dir)
     check_drafter_config(args.drafter)  # a drafter this decoding cannot run fails before the target loads
     settings = HarnessSettings(max_new_tokens=args.max_new_tokens or 2048, temperature=args.temperature[0],
                                enable_thinking=args.enable_thinking, max_samples=args.max_samples,
@@ -113,7 +113,7 @@ def bench(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, ou
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
     drafter = load_export(args.drafter, device, dtype)
-    results = evaluate_benchmarks(target_model, tokenizer, drafter, head, benches, settings,
+    results = evaluate_sets(target_model, tokenizer, drafter, head, sets, settings,
                                   GreedyBaselines(out.with_name(BASELINE_FILE)))
     taus = [r["tau"] for r in results.values() if r["tau"] is not None]
     greedy = [r["lossless"] for r in results.values() if r["lossless"] is not None]
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> dict | str:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     out = Path(args.out) if args.out else Path(args.drafter).resolve().parent / "eval.json"
-    if args.bench is not None:
-        report = bench(args, device, dtype, out)
+    if args.sets is not None:
+        report = score_sets(args, device, dtype, out)
     else:
         report = data(args, device, dtype, out)
     print(format_table(report))

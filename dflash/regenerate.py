@@ -5,7 +5,7 @@
     torchrun --nproc_per_node=8 -m dflash.regenerate ...        # one shard of the records per GPU
     python -m dflash.regenerate data.path=prompts.jsonl --out data/regen.jsonl --server http://localhost:8000
     python -m dflash.regenerate data.path=prompts.jsonl --out data/regen.jsonl --merge [--keep-truncated]
-    python -m dflash.regenerate target=qwen3_8b target.path=random --bench 256 --batch-size 64
+    python -m dflash.regenerate target=qwen3_8b target.path=random --throughput 256 --batch-size 64
 
 The DFlash recipe trains the drafter on what the target itself answers, so that it
 learns the target's distribution rather than the data set's. Every assistant turn is
@@ -606,7 +606,7 @@ def load_local(cfg: DictConfig, sampling: Sampling) -> LocalTarget:
     """The target in bf16 on this rank's GPU, or in fp32 on the CPU."""
     source = target_source(cfg)
     if source.is_random:
-        raise ValueError("target.path=random has random weights, whose replies are no data: it serves --bench only")
+        raise ValueError("target.path=random has random weights, whose replies are no data: it serves --throughput only")
     device, dtype = pick_device()
     model, tokenizer = source.load(device, dtype)
     return LocalTarget(model, tokenizer, sampling)
@@ -676,18 +676,18 @@ def format_summary(s: dict) -> str:
 # ---------------------------------------------------------------------------
 
 
-def bench_source(cfg: DictConfig, seed: int) -> TargetSource:
+def throughput_source(cfg: DictConfig, seed: int) -> TargetSource:
     """The configured target, or random weights at the preset's shape when no path is set."""
     target = cfg.target
     path = RANDOM if OmegaConf.is_missing(target, "path") else target.path
     return TargetSource(path, target.trust_remote_code, target.get("shape"), seed)
 
 
-def bench(cfg: DictConfig, prompts: int, batch_size: int, prompt_len: int, *, sampling: Sampling) -> dict:
+def throughput(cfg: DictConfig, prompts: int, batch_size: int, prompt_len: int, *, sampling: Sampling) -> dict:
     """Generation throughput on random-token prompts: no tokenizer, exactly
     ``max_new_tokens`` per prompt (the end-of-turn token is held back), so random
     weights at a preset's shape measure what a real target of that shape would."""
-    source = bench_source(cfg, sampling.seed)
+    source = throughput_source(cfg, sampling.seed)
     device, dtype = pick_device()
     model, _ = source.load(device, dtype)
     vocab = model.config.get_text_config().vocab_size
@@ -748,11 +748,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", default=None, help="model name on the server; default: the first it lists")
     ap.add_argument("--concurrency", type=int, default=64, help="requests in flight to the server")
     ap.add_argument("--merge", action="store_true", help="only write --out from finished shards")
-    ap.add_argument("--bench", type=int, default=0, metavar="N",
+    ap.add_argument("--throughput", type=int, default=0, metavar="N",
                     help="instead, time generation from N random-token prompts at the target's shape")
-    ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of --bench")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prompt tokens of --throughput")
     args = ap.parse_intermixed_args(argv)
-    if not args.bench and not args.out:
+    if not args.throughput and not args.out:
         ap.error("--out is required")
     return args
 
@@ -772,10 +772,10 @@ def main(argv: list[str] | None = None) -> dict | None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     cfg = config_of(args)
-    if (args.bench or args.merge) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        raise SystemExit("--bench and --merge run in one process, not under torchrun")
-    if args.bench:
-        report = bench(cfg, args.bench, args.batch_size, args.prompt_len, sampling=sampling_of(args, cfg))
+    if (args.throughput or args.merge) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        raise SystemExit("--throughput and --merge run in one process, not under torchrun")
+    if args.throughput:
+        report = throughput(cfg, args.throughput, args.batch_size, args.prompt_len, sampling=sampling_of(args, cfg))
         print(json.dumps(report, indent=1))
         if args.out:
             Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

@@ -31,11 +31,11 @@ from dflash.distributed.topology import Topology, TopologyError
 from dflash.run.build import build_job, build_topology, timeouts
 from dflash.run.config import config_dir
 from dflash.run.estimate import (
-    PlanError,
+    DoesNotFit,
     check_fits,
+    choose_layout,
     format_estimate,
     format_options,
-    plan_layout,
 )
 from dflash.run.garbage import collected_between_steps
 from dflash.run.metrics import require_wandb
@@ -58,9 +58,9 @@ def dry_run(cfg: DictConfig, job) -> dict:
     """Print the plan and return, touching neither weights nor the output directory."""
     world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
     try:
-        layout = plan_layout(job, world)
+        layout = choose_layout(job, world)
         check_fits(layout.cost)
-    except (TopologyError, PlanError) as e:
+    except (TopologyError, DoesNotFit) as e:
         raise SystemExit(f"dry run: the plan is refused: {e}") from None
     if int(os.environ.get("RANK", 0)) == 0:
         print(format_estimate(layout.job, layout.cost), flush=True)
@@ -87,7 +87,7 @@ def run_role(cfg: DictConfig) -> dict:
     if cfg.dry_run:
         return dry_run(cfg, job)
     require_wandb(cfg.wandb.mode)
-    layout = plan_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
+    layout = choose_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
     job = layout.job
     topo = build_topology(job, layout.targets)
     setup_logging(topo)
@@ -97,7 +97,7 @@ def run_role(cfg: DictConfig) -> dict:
             log.info("%s", format_options(layout.options, layout.targets, job.plan.micro_batch_size, job.plan.packing))
         try:
             check_fits(layout.cost)
-        except PlanError as e:
+        except DoesNotFit as e:
             log.warning("%s (an estimate: the run goes on)", e)
     startup.mark("the layout and the estimate")
     run_dir = job.settings.run_dir

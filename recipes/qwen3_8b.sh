@@ -60,7 +60,7 @@ fi
 echo "== score the export and the released drafter on $BENCH"
 for who in ours released; do
   drafter=$([ "$who" = ours ] && echo "$WORK/run/export" || echo "$RELEASED")
-  "$PY" -m dflash.eval --target "$MODEL" --drafter "$drafter" --bench "$BENCH" --out "$WORK/eval_$who.json" \
+  "$PY" -m dflash.eval --target "$MODEL" --drafter "$drafter" --sets "$BENCH" --out "$WORK/eval_$who.json" \
       "${EVAL_EXTRA[@]}"
 done
 "$PY" -m dflash.eval --compare "$WORK/eval_ours.json" "$WORK/eval_released.json" --out "$WORK/acceptance.md"

@@ -5,7 +5,7 @@
 Starts the engine's OpenAI-compatible server with DRAFTER as its DFlash speculative
 model, sends a few greedy prompts (the first turns of the benchmark sets, built as z-lab's
 harness builds them), reads the engine's acceptance and prints it next to the tau of a
-``dflash.eval --bench`` report on the same sets. A large gap means the engine runs the
+``dflash.eval --sets`` report on the same sets. A large gap means the engine runs the
 drafter differently from this project (layer ids, mask token, attention), not a worse
 drafter. Without the engine installed it says so and exits 0.
 
@@ -107,7 +107,7 @@ def sglang_acceptance(base: str, tokenizer_dir: str, prompts: list[str], max_tok
     """Mean over requests of SGLang's per-request acceptance length."""
     from transformers import AutoTokenizer
 
-    from dflash.decode.benchmarks import render_prompt
+    from dflash.decode.public_sets import render_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     lengths = []
@@ -121,12 +121,12 @@ def sglang_acceptance(base: str, tokenizer_dir: str, prompts: list[str], max_tok
     return sum(lengths) / len(lengths) if lengths else None
 
 
-def first_turns(sets: str, bench_dir: str | None, per_set: int) -> dict[str, list[str]]:
+def first_turns(sets: str, sets_dir: str | None, per_set: int) -> dict[str, list[str]]:
     """The first user turn of the first ``per_set`` rows of each set (no shuffle)."""
-    from dflash.decode.benchmarks import BENCHMARKS, load_rows, parse_bench
+    from dflash.decode.public_sets import PUBLIC_SETS, load_rows, parse_sets
 
-    return {name: [BENCHMARKS[name].turns(row)[0] for row in load_rows(name, source)[:per_set]]
-            for name, source in parse_bench(sets, bench_dir).items()}
+    return {name: [PUBLIC_SETS[name].turns(row)[0] for row in load_rows(name, source)[:per_set]]
+            for name, source in parse_sets(sets, sets_dir).items()}
 
 
 def report_line(name: str, engine: float | None, ours: float | None) -> str:
@@ -138,7 +138,7 @@ def check(args: argparse.Namespace) -> list[str]:
     """Serve, measure every set, stop the server; the table's lines."""
     base = f"http://127.0.0.1:{args.port}"
     ours = json.loads(Path(args.eval_report).read_text())["results"] if args.eval_report else {}
-    prompts = first_turns(args.bench, args.bench_dir, args.prompts)
+    prompts = first_turns(args.sets, args.sets_dir, args.prompts)
     process = subprocess.Popen(server_command(args.engine, args.drafter, args.target, args.port, args.engine_args))
     try:
         wait_ready(base, process, args.startup_timeout)
@@ -160,9 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--engine", choices=ENGINES, required=True)
     ap.add_argument("drafter", help="drafter directory in the z-lab layout")
     ap.add_argument("target", help="the target's local HF directory (also its tokenizer)")
-    ap.add_argument("--eval-report", default=None, help="a dflash.eval --bench report to put next to the engine's")
-    ap.add_argument("--bench", default="gsm8k,math500,humaneval,mbpp,mt-bench")
-    ap.add_argument("--bench-dir", default=None, help="read each set from <dir>/<name>.jsonl instead of the hub")
+    ap.add_argument("--eval-report", default=None, help="a dflash.eval --sets report to put next to the engine's")
+    ap.add_argument("--sets", default="gsm8k,math500,humaneval,mbpp,mt-bench")
+    ap.add_argument("--sets-dir", default=None, help="read each set from <dir>/<name>.jsonl instead of the hub")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=2048)
     ap.add_argument("--enable-thinking", action="store_true")

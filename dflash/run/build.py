@@ -67,7 +67,7 @@ class Job:
     compile: CompileSettings
     tensor_parallel: int = 1  # target ranks per target replica (target.tensor_parallel)
     # why train.micro_batch_size=auto took fewer sequences than train.micro_batch_tokens allows
-    # (dflash.run.estimate.plan_layout); said in the dry run and the start log
+    # (dflash.run.estimate.choose_layout); said in the dry run and the start log
     micro_batch_note: str = ""
 
 
@@ -160,7 +160,7 @@ def active_params(module: nn.Module, text: PretrainedConfig) -> float:
 def auto_split(job: Job, world: int) -> int:
     """``topology.target_ranks=auto``, counted on meta-device models. The start log's plan
     says what it chose; logged here, it would repeat for every micro-batch size the plan
-    tries (:func:`dflash.run.estimate.plan_layout`)."""
+    tries (:func:`dflash.run.estimate.choose_layout`)."""
     return split_by_flops(job, world, *meta_models(job))
 
 

@@ -48,7 +48,7 @@ ATTENTION_FLOPS = {"causal": 537e12, "packed": 312e12, "drafter": 247e12,
 PEAK_FLOPS = 790e12
 
 
-class PlanError(ValueError):
+class DoesNotFit(ValueError):
     """A plan that cannot run as configured; the message names the key to change."""
 
 
@@ -364,7 +364,7 @@ def estimate(job: Job, world_size: int, targets: int | str, models: tuple | None
 def fits(e: Estimate) -> bool:
     try:
         check_fits(e)
-    except PlanError:
+    except DoesNotFit:
         return False
     return True
 
@@ -385,7 +385,7 @@ def layout_options(job: Job, world_size: int, models: tuple | None = None) -> li
     return options or [estimate(job, world_size, 0, models)]
 
 
-def choose_layout(options: list[Estimate]) -> Estimate:
+def fastest_fitting(options: list[Estimate]) -> Estimate:
     """The layout with the most predicted samples/s among those that fit; colocated on a tie."""
     fastest = sorted(options, key=lambda e: (e.samples_per_s, e.colocated), reverse=True)
     fitting = [e for e in fastest if fits(e)]
@@ -473,7 +473,7 @@ def resolve_targets(job: Job, options: list[Estimate]) -> int:
         return int(topology.target_ranks)
     if topology.mode == "disaggregated":
         return auto_split(job, world_size)
-    return choose_layout(options).num_targets
+    return fastest_fitting(options).num_targets
 
 
 @dataclass(frozen=True)
@@ -491,7 +491,7 @@ class Layout:
         return self.cost.num_targets
 
 
-def plan_layout(job: Job, world_size: int) -> Layout:
+def choose_layout(job: Job, world_size: int) -> Layout:
     """The micro-batch and the layout a run on ``world_size`` ranks takes, each planned once.
 
     ``train.micro_batch_size=auto`` is stepped down where the token budget's choice does not
@@ -500,14 +500,14 @@ def plan_layout(job: Job, world_size: int) -> Layout:
     micro-batch too large to split the batch over every rank bars the colocated layout. So
     each micro-batch from the budget's choice down that divides the batch is planned as the
     run would plan it (``topology.mode`` and ``topology.target_ranks`` as set; under auto,
-    the layout :func:`choose_layout` takes), and the largest whose layout fits a rank's
+    the layout :func:`fastest_fitting` takes), and the largest whose layout fits a rank's
     memory is taken, unless a smaller one allows a layout predicted faster (a plan without
     rates, a CPU run's, has none faster). If none fits, the budget's choice is kept, and the
     refusal (dry run) or warning (run) names the keys to change. An explicit
     ``train.micro_batch_size`` is never changed. The choice depends on the config and the
     device size only, so every rank makes the same one.
 
-    Raises :class:`TopologyError` where the batch allows no layout, and :class:`PlanError`
+    Raises :class:`TopologyError` where the batch allows no layout, and :class:`DoesNotFit`
     where ``topology.mode=auto`` has none that fits; a layout over a rank's memory is
     returned, for the caller to refuse or warn (:func:`check_fits`)."""
     models = meta_models(job)  # the models do not depend on the micro-batch
@@ -536,11 +536,11 @@ def _layout(job: Job, world_size: int, models: tuple) -> Layout:
     return Layout(job, options, of_layout(job, options, resolve_targets(job, options)))
 
 
-def _layout_or_refusal(job: Job, world_size: int, models: tuple) -> Layout | TopologyError | PlanError:
+def _layout_or_refusal(job: Job, world_size: int, models: tuple) -> Layout | TopologyError | DoesNotFit:
     """The layout ``job`` runs in, else why it has none."""
     try:
         return _layout(job, world_size, models)
-    except (TopologyError, PlanError) as refusal:
+    except (TopologyError, DoesNotFit) as refusal:
         return refusal
 
 
@@ -549,7 +549,7 @@ def _stepped_down(plan: Plan, micro: int, cost: Estimate, larger: list[Layout | 
     is ``cost``: what kept out each of the ``larger`` ones (:func:`_layout_or_refusal`)."""
     reasons = []
     planned = [outcome.cost for outcome in larger if isinstance(outcome, Layout)]
-    if any(isinstance(outcome, PlanError) for outcome in larger) or not all(map(fits, planned)):
+    if any(isinstance(outcome, DoesNotFit) for outcome in larger) or not all(map(fits, planned)):
         reasons.append(f"to fit the {USABLE_SHARE * cost.device_gib:.1f} GiB a rank may plan on ({USABLE_SHARE:.0%} of "
                        f"estimate.device_gib={cost.device_gib:.1f})")
     if any(isinstance(outcome, TopologyError) for outcome in larger):
@@ -572,7 +572,7 @@ MEMORY_KEYS = {
 
 
 def check_fits(e: Estimate) -> None:
-    """Raise :class:`PlanError` if a rank's estimate exceeds its device's :data:`USABLE_SHARE`."""
+    """Raise :class:`DoesNotFit` if a rank's estimate exceeds its device's :data:`USABLE_SHARE`."""
     sides = [("drafter", e.drafter_gib), ("target", e.target_gib)]
     if e.colocated:
         sides = [("colocated", e.colocated_gib)]
@@ -580,7 +580,7 @@ def check_fits(e: Estimate) -> None:
     for role, parts in sides:
         total = sum(parts.values())
         if total > usable:
-            raise PlanError(
+            raise DoesNotFit(
                 f"a {role} rank needs an estimated {total:.1f} GiB, over the {usable:.1f} GiB it may plan on "
                 f"({USABLE_SHARE:.0%} of its device's {e.device_gib:.1f} GiB, the rest left to the allocator); "
                 f"{MEMORY_KEYS[role]}; estimate.device_gib sets the device size"

@@ -70,7 +70,7 @@ def test_the_recipe_runs_end_to_end_on_the_demo_target(tmp_path):
     work = tmp_path / "work"
     env = {"NGPU": "0", "TARGET": "demo", "TRAIN_OVERRIDES": TINY_TRAIN,
            "REGEN_ARGS": "data.max_samples=4 --max-new-tokens 8 --keep-truncated --batch-size 4",
-           "EVAL_ARGS": f"--bench-dir {ROOT / 'tests' / 'fixtures' / 'benchmarks'} --max-samples 1 "
+           "EVAL_ARGS": f"--sets-dir {ROOT / 'tests' / 'fixtures' / 'benchmarks'} --max-samples 1 "
                         "--max-new-tokens 8 --device cpu"}
     out = recipe(tmp_path, env, "demo", str(prompts(tmp_path)), str(tmp_path / "released"), str(work))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]

@@ -251,11 +251,11 @@ def test_server_mode_against_a_fake_server(tmp_path):
     assert len(load_dataset(DataSettings(str(out), 512, 1, strict=True), tokenizer)) >= 8
 
 
-def test_bench_generates_exactly_the_new_tokens(tmp_path):
-    report = main(["target=demo", "--bench", "3", "--batch-size", "2", "--max-new-tokens", "6", "--prompt-len", "8",
-                   "--out", str(tmp_path / "bench.json")])
+def test_throughput_generates_exactly_the_new_tokens(tmp_path):
+    report = main(["target=demo", "--throughput", "3", "--batch-size", "2", "--max-new-tokens", "6", "--prompt-len", "8",
+                   "--out", str(tmp_path / "throughput.json")])
     assert report["generated_tokens"] == 18 and report["tokens_per_s"] > 0
-    assert json.loads((tmp_path / "bench.json").read_text())["batch_size"] == 2
+    assert json.loads((tmp_path / "throughput.json").read_text())["batch_size"] == 2
 
 
 def test_generation_runs_without_cudnn_attention_and_restores_the_choice():

@@ -17,16 +17,16 @@ from dflash.model.drafter import DrafterConfig
 from dflash.run.build import build_job, meta_models
 from dflash.run.config import compose_config
 from dflash.run.estimate import (
+    DoesNotFit,
     Estimate,
-    PlanError,
     choose_layout,
     drafter_attention_flops,
     drafter_flops,
     estimate,
     faster_split_barred_by_batch,
+    fastest_fitting,
     format_options,
     layout_options,
-    plan_layout,
     prefill_attention_flops,
     prefill_flops,
     resolve_targets,
@@ -268,8 +268,8 @@ def test_a_plan_that_fits_nowhere_is_refused_for_the_layout_nearest_to_fitting()
     the drafter rank of a split (152 GiB), not the colocated rank (168 GiB), and the keys
     that shrink a drafter rank."""
     job = long_context_job(65536, 10922)
-    with pytest.raises(PlanError, match=r"a drafter rank needs an estimated 15\d\.\d GiB.*lower train.num_anchors"):
-        choose_layout(layout_options(job, 8))
+    with pytest.raises(DoesNotFit, match=r"a drafter rank needs an estimated 15\d\.\d GiB.*lower train.num_anchors"):
+        fastest_fitting(layout_options(job, 8))
 
 
 # The paper preset planned for one H200 in this process; the reference configuration's shapes
@@ -336,7 +336,7 @@ def test_an_explicit_micro_batch_is_left_as_given(capsys):
     refused with the key to change."""
     small = PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + ["estimate.device_gib=60", "train.micro_batch_size=8"]
     job = build_job(compose_config(small))
-    assert plan_layout(job, 1).job is job
+    assert choose_layout(job, 1).job is job
     refused = r"colocated rank needs an estimated 63\.0 GiB.*lower .*train.micro_batch_size"
     with pytest.raises(SystemExit, match=refused):
         printed_plan(capsys, small)

@@ -9,7 +9,7 @@ A number is comparable to them only when every choice below is the harness's:
   ``HuggingFaceH4/MATH-500`` (test), ``openai/openai_humaneval`` (test),
   ``google-research-datasets/mbpp`` (``sanitized``, test) and
   ``HuggingFaceH4/mt_bench_prompts`` (train); the harness has no Alpaca;
-- the user turn of each row (:data:`BENCHMARKS`); MT-Bench's two turns are one
+- the user turn of each row (:data:`PUBLIC_SETS`); MT-Bench's two turns are one
   conversation whose second prompt holds the first speculative reply, decoded without
   special tokens, and every turn counts as one response;
 - the chat template applied with the generation prompt and ``enable_thinking`` passed
@@ -46,7 +46,7 @@ from dflash.decode.evaluate import check_compatible, divergence, tau
 from dflash.decode.speculative import run_to_end
 from dflash.model.drafter import DFlashDrafter, TargetHead
 
-log = logging.getLogger("dflash.decode.benchmarks")
+log = logging.getLogger("dflash.decode.public_sets")
 
 REASON = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -63,7 +63,7 @@ def _humaneval(row: Mapping) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Benchmark:
+class PublicSet:
     """One public set: where ``datasets`` finds it and how a row becomes user turns."""
 
     path: str  # the hub name given to datasets.load_dataset
@@ -73,16 +73,16 @@ class Benchmark:
     measures: str  # what the set exercises, for the report and the README
 
 
-BENCHMARKS: dict[str, Benchmark] = {
-    "gsm8k": Benchmark("openai/gsm8k", "main", "test", _field_then_reason("question"),
+PUBLIC_SETS: dict[str, PublicSet] = {
+    "gsm8k": PublicSet("openai/gsm8k", "main", "test", _field_then_reason("question"),
                        "grade-school arithmetic word problems, step-by-step reasoning"),
-    "math500": Benchmark("HuggingFaceH4/MATH-500", None, "test", _field_then_reason("problem"),
+    "math500": PublicSet("HuggingFaceH4/MATH-500", None, "test", _field_then_reason("problem"),
                          "competition mathematics in LaTeX, long derivations"),
-    "humaneval": Benchmark("openai/openai_humaneval", None, "test", _humaneval,
+    "humaneval": PublicSet("openai/openai_humaneval", None, "test", _humaneval,
                            "Python completion of a function stub with a docstring"),
-    "mbpp": Benchmark("google-research-datasets/mbpp", "sanitized", "test", lambda row: [row["prompt"]],
+    "mbpp": PublicSet("google-research-datasets/mbpp", "sanitized", "test", lambda row: [row["prompt"]],
                       "short Python tasks from a one-line description"),
-    "mt-bench": Benchmark("HuggingFaceH4/mt_bench_prompts", None, "train", lambda row: list(row["prompt"]),
+    "mt-bench": PublicSet("HuggingFaceH4/mt_bench_prompts", None, "train", lambda row: list(row["prompt"]),
                           "open-ended two-turn chat (writing, roleplay, reasoning, math, coding, ...)"),
 }
 
@@ -101,18 +101,18 @@ class HarnessSettings:
     batch_size: int | None = None  # responses at once (None: by device); not a harness choice, results do not depend on it
 
 
-def parse_bench(spec: str, bench_dir: str | None = None) -> dict[str, str | None]:
-    """``--bench`` as set name to source: ``gsm8k,mt-bench`` loads them by name (or from
-    ``bench_dir/<name>.jsonl`` when given); ``gsm8k=rows.jsonl`` reads a local file or
+def parse_sets(spec: str, sets_dir: str | None = None) -> dict[str, str | None]:
+    """``--sets`` as set name to source: ``gsm8k,mt-bench`` loads them by name (or from
+    ``sets_dir/<name>.jsonl`` when given); ``gsm8k=rows.jsonl`` reads a local file or
     saved dataset in the set's own schema, for offline use."""
     sources: dict[str, str | None] = {}
     for entry in filter(None, (e.strip() for e in spec.split(","))):
         name, _, path = entry.partition("=")
-        if name not in BENCHMARKS:
-            raise ValueError(f"--bench: unknown set {name!r}; the harness's sets are {', '.join(BENCHMARKS)}")
-        sources[name] = path or (str(Path(bench_dir) / f"{name}.jsonl") if bench_dir else None)
+        if name not in PUBLIC_SETS:
+            raise ValueError(f"--sets: unknown set {name!r}; the harness's sets are {', '.join(PUBLIC_SETS)}")
+        sources[name] = path or (str(Path(sets_dir) / f"{name}.jsonl") if sets_dir else None)
     if not sources:
-        raise ValueError("--bench names no set")
+        raise ValueError("--sets names no set")
     return sources
 
 
@@ -121,16 +121,16 @@ def load_rows(name: str, source: str | None = None) -> list[dict]:
     the set's schema) or, without one, from the hub through ``datasets``."""
     if source is not None:
         rows = []
-        for where, record in iter_records(source, key=f"--bench {name}"):
+        for where, record in iter_records(source, key=f"--sets {name}"):
             if isinstance(record, BadRecord):
-                raise ValueError(f"--bench {name}: {where}: {record}")
+                raise ValueError(f"--sets {name}: {where}: {record}")
             rows.append(dict(record))
         return rows
     from datasets import load_dataset
 
-    bench = BENCHMARKS[name]
-    args = (bench.path,) if bench.config is None else (bench.path, bench.config)
-    return [dict(row) for row in load_dataset(*args, split=bench.split)]
+    spec = PUBLIC_SETS[name]
+    args = (spec.path,) if spec.config is None else (spec.path, spec.config)
+    return [dict(row) for row in load_dataset(*args, split=spec.split)]
 
 
 def sample_rows(rows: Sequence[dict], max_samples: int | None, seed: int) -> list[dict]:
@@ -146,13 +146,13 @@ def sample_rows(rows: Sequence[dict], max_samples: int | None, seed: int) -> lis
 
 def conversations(name: str, source: str | None, settings: HarnessSettings) -> list[list[str]]:
     """The user turns of every conversation of set ``name`` that the sample limit keeps."""
-    turns = BENCHMARKS[name].turns
+    turns = PUBLIC_SETS[name].turns
     rows = sample_rows(load_rows(name, source), settings.max_samples, settings.sample_seed)
     try:
         return [turns(row) for row in rows]
     except KeyError as e:
-        raise ValueError(f"--bench {name}: a row has no {e} field; is it in the schema of "
-                         f"{BENCHMARKS[name].path}?") from None
+        raise ValueError(f"--sets {name}: a row has no {e} field; is it in the schema of "
+                         f"{PUBLIC_SETS[name].path}?") from None
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], enable_thinking: bool) -> str:
@@ -264,7 +264,7 @@ def summarize(turns: list[Turn], temperature: float, block_size: int) -> dict:
     }
 
 
-def evaluate_benchmark(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
+def evaluate_set(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
                        head: TargetHead, convs: list[list[str]], settings: HarnessSettings,
                        baselines: GreedyBaselines | None = None) -> dict:
     """Score ``drafter`` on one set's conversations (:func:`conversations`); ``baselines``
@@ -275,16 +275,16 @@ def evaluate_benchmark(target_model: nn.Module, tokenizer: PreTrainedTokenizerBa
     return summarize(turns, settings.temperature, settings.block_size or drafter.config.block_size)
 
 
-def evaluate_benchmarks(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
-                        head: TargetHead, benches: Mapping[str, str | None], settings: HarnessSettings,
+def evaluate_sets(target_model: nn.Module, tokenizer: PreTrainedTokenizerBase, drafter: DFlashDrafter,
+                        head: TargetHead, sources: Mapping[str, str | None], settings: HarnessSettings,
                         baselines: GreedyBaselines | None = None) -> dict:
-    """Every set of ``benches`` (name: local source or None for the hub), as the
+    """Every set of ``sources`` (name: local source or None for the hub), as the
     ``results`` of ``eval.json``, each with the set's name and what it measures."""
-    sets = {name: conversations(name, source, settings) for name, source in benches.items()}  # all load first
+    sets = {name: conversations(name, source, settings) for name, source in sources.items()}  # all load first
     results = {}
     for name, convs in sets.items():
-        r = evaluate_benchmark(target_model, tokenizer, drafter, head, convs, settings, baselines)
-        results[name] = {"dataset": name, "source": benches[name] or BENCHMARKS[name].path, **r}
+        r = evaluate_set(target_model, tokenizer, drafter, head, convs, settings, baselines)
+        results[name] = {"dataset": name, "source": sources[name] or PUBLIC_SETS[name].path, **r}
         log.info("%s: tau %s, lossless %s, %d responses, %d tokens in %.1f s", name, r["tau"], r["lossless"],
                  r["prompts"], r["new_tokens"], r["wall_s"])
     return results

@@ -11,14 +11,14 @@ import torch
 from helpers import tiny_drafter
 from transformers import AutoTokenizer
 
-from dflash.decode import benchmarks
-from dflash.decode.benchmarks import (
-    BENCHMARKS,
+from dflash.decode import public_sets
+from dflash.decode.public_sets import (
+    PUBLIC_SETS,
     HarnessSettings,
     compare_table,
     conversations,
     harness_prompt_ids,
-    parse_bench,
+    parse_sets,
     render_prompt,
     sample_rows,
 )
@@ -58,13 +58,13 @@ def rendered(tokenizer, turns: list[str], thinking: bool) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("name", list(BENCHMARKS))
+@pytest.mark.parametrize("name", list(PUBLIC_SETS))
 def test_user_turns_are_the_harness_turns(name):
     settings = HarnessSettings()
     assert conversations(name, str(FIXTURES / f"{name}.jsonl"), settings) == EXPECTED["sets"][name]["turns"]
 
 
-@pytest.mark.parametrize("name", list(BENCHMARKS))
+@pytest.mark.parametrize("name", list(PUBLIC_SETS))
 def test_prompt_texts_and_ids_are_the_harness_ones(name):
     """Qwen3's template (thinking off and on) and the demo tokenizer's ids, turn by turn."""
     tokenizers = {"qwen3": qwen3_tokenizer(), "demo": AutoTokenizer.from_pretrained(DEMO)}
@@ -105,16 +105,16 @@ def test_sets_load_by_name_with_the_harness_arguments(monkeypatch):
         return [{"question": "q", "problem": "p", "prompt": ["a", "b"]}]
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    for name in BENCHMARKS:
-        benchmarks.load_rows(name)
-        assert calls[BENCHMARKS[name].path] == EXPECTED["sets"][name]["load"]
+    for name in PUBLIC_SETS:
+        public_sets.load_rows(name)
+        assert calls[PUBLIC_SETS[name].path] == EXPECTED["sets"][name]["load"]
 
 
 def test_bench_names_and_local_sources():
-    assert parse_bench("gsm8k, mt-bench") == {"gsm8k": None, "mt-bench": None}
-    assert parse_bench("gsm8k=/x.jsonl,mbpp", bench_dir="/d") == {"gsm8k": "/x.jsonl", "mbpp": "/d/mbpp.jsonl"}
+    assert parse_sets("gsm8k, mt-bench") == {"gsm8k": None, "mt-bench": None}
+    assert parse_sets("gsm8k=/x.jsonl,mbpp", sets_dir="/d") == {"gsm8k": "/x.jsonl", "mbpp": "/d/mbpp.jsonl"}
     with pytest.raises(ValueError, match="unknown set 'alpaca'"):
-        parse_bench("alpaca")
+        parse_sets("alpaca")
 
 
 def test_a_row_in_another_schema_is_named(tmp_path):
@@ -177,7 +177,7 @@ def test_unknown_config_fields_are_refused(tmp_path):
 def test_bench_scores_every_set_and_compares_two_reports(tmp_path):
     save_export(demo_drafter(), tmp_path / "ours", dtype="float32")
     save_export(demo_drafter(block_size=4), tmp_path / "released", dtype="float32")
-    common = ["--target", "demo", "--bench", "gsm8k,mt-bench", "--bench-dir", str(FIXTURES), "--max-samples", "2",
+    common = ["--target", "demo", "--sets", "gsm8k,mt-bench", "--sets-dir", str(FIXTURES), "--max-samples", "2",
               "--max-new-tokens", "8", "--device", "cpu"]
     report = main(common + ["--drafter", str(tmp_path / "ours"), "--out", str(tmp_path / "ours.json")])
     main(common + ["--drafter", str(tmp_path / "released"), "--out", str(tmp_path / "released.json")])
