@@ -103,9 +103,10 @@ def padded_length(buckets: tuple[int, ...], max_len: int) -> int:
 
 def auto_micro_batch(batch_size: int, padded_len: int, tokens: int) -> int:
     """``train.micro_batch_size=auto``: the most sequences of the longest bucket that fit
-    ``tokens`` (at least one) and divide the batch. One 768-token sequence per prefill
-    kept an 8B target at 43% MFU on the H200 and four at 77% (BENCHMARKS.md), while the
-    drafter step gains little: the prefill needs a few thousand tokens to fill the GPU."""
+    ``tokens`` (at least one) and divide the batch. An 8B target's prefill of one 768-token
+    sequence runs far below the MFU that four reach, while the drafter step gains little
+    (BENCHMARKS.md, "Larger micro-batches, colocated"): the prefill needs a few thousand
+    tokens to fill the GPU."""
     most = max(1, tokens // padded_len)
     return next(m for m in range(min(most, batch_size), 0, -1) if batch_size % m == 0)
 
