@@ -23,18 +23,18 @@ from pathlib import Path
 import torch
 
 from dflash.decode.baseline import GreedyBaselines
+from dflash.decode.evaluate import (
+    BASELINE_FILE,
+    evaluate_datasets,
+    format_table,
+    load_prompts,
+)
 from dflash.decode.public_sets import (
     HarnessSettings,
     compare_table,
     evaluate_sets,
     harness_record,
     parse_sets,
-)
-from dflash.decode.evaluate import (
-    BASELINE_FILE,
-    evaluate_datasets,
-    format_table,
-    load_prompts,
 )
 from dflash.decode.speculative import DecodeSettings
 from dflash.model.drafter import TargetHead
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sets", default=None, metavar="SETS",
                     help="public sets instead of --data, comma-separated: gsm8k,math500,humaneval,mbpp,mt-bench; "
                     "name=path reads that set's rows from a local file in its schema")
-    ap.add_argument("--sets-dir", default=None, help="read each --sets set from <dir>/<name>.jsonl")
+    ap.add_argument("--sets-dir", default=None, help="read each set of --sets from <dir>/<name>.jsonl")
     ap.add_argument("--max-samples", type=positive, default=None,
                     help="--sets: rows kept per set after the harness's seeded shuffle (default: all)")
     ap.add_argument("--sample-seed", type=int, default=0, help="--sets: the shuffle's seed (the harness's is 0)")
@@ -114,7 +114,7 @@ def score_sets(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     head = TargetHead.of(target_model)
     drafter = load_export(args.drafter, device, dtype)
     results = evaluate_sets(target_model, tokenizer, drafter, head, sets, settings,
-                                  GreedyBaselines(out.with_name(BASELINE_FILE)))
+                            GreedyBaselines(out.with_name(BASELINE_FILE)))
     taus = [r["tau"] for r in results.values() if r["tau"] is not None]
     greedy = [r["lossless"] for r in results.values() if r["lossless"] is not None]
     report = {

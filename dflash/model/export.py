@@ -210,8 +210,6 @@ KNOWN_CONFIG_FIELDS = frozenset({
     "layer_types", "max_window_layers", "use_sliding_window", "sliding_window", "use_cache", "is_causal",
     "bos_token_id", "eos_token_id", "pad_token_id", "block_size", "num_target_layers", "dflash_config",
 })
-
-
 KNOWN_DFLASH_FIELDS = frozenset({
     "mask_token_id", "target_layer_ids", "block_size", "num_target_layers",
     "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",  # DFlash2

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,39 +67,35 @@ def test_every_phase_agrees(tmp_path, world, targets):
     assert outcomes == {f"ok (7, 3, {turns}, 7, {list(range(world))})"}
 
 
-def _await(path: Path, bound_s: float = 60) -> None:
-    """Until ``path`` exists: ranks wait on each other's files, not on the clock."""
+def _until(ready: Callable[[], bool], bound_s: float = 60) -> None:
+    """Until ``ready()``, at most ``bound_s``: ranks wait on each other's files and on the
+    store's port, not on the clock (spawning and importing torch take seconds under load)."""
     until = time.monotonic() + bound_s
-    while not path.exists() and time.monotonic() < until:
+    while not ready() and time.monotonic() < until:
         time.sleep(0.05)
 
 
-def _await_port(port: int, bound_s: float = 60) -> None:
-    """Until rank 0's store listens on ``port``, so the rank that joins it is not timed
-    against rank 0's start (spawning and importing torch take seconds under load)."""
-    until = time.monotonic() + bound_s
-    while time.monotonic() < until:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
+def _listening(port: int) -> bool:
+    """Whether rank 0's store accepts connections on ``port``."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _late_rank(rank: int, world: int, port: int, out: str, init_s: float) -> None:
     out = Path(out)
     if rank == world - 1:  # never arrives: waits until the others have named it, then leaves
         for r in range(world - 1):
-            _await(out / f"rank{r}")
+            _until((out / f"rank{r}").exists)
         return
-    if rank > 0:
-        _await_port(port)
+    if rank > 0:  # joins the store once it listens, so rank 0's start is not timed against it
+        _until(lambda: _listening(port))
     proto = _protocol(rank, world, 1, port, Timeouts(init_s=init_s, warmup_s=60, step_s=60))
     try:  # exit quietly, so that the harness does not end the other rank before it reports
         _record(out, rank, proto.start)
     except Exception:  # noqa: BLE001 - recorded
         pass
     if rank == 0:  # rank 0 hosts the store: gone, it would end rank 1's wait early, naming rank 1 too
-        _await(out / "rank1")
+        _until((out / "rank1").exists)
 
 
 def test_a_rank_that_never_arrives_is_named_within_the_init_timeout(tmp_path):

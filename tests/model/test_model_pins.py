@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_drafter
+from helpers import tiny_dflash2, tiny_drafter
 from runs import RANDOM_TARGET, TINY
 
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, apply_rope
 from dflash.model.export import load_export, save_export
+from dflash.objective.masks import build_mask
 from dflash.run.build import build_job, drafter_config
 from dflash.run.config import compose_config
 
@@ -141,10 +142,6 @@ def test_dflash2_layers_equal_a_hand_formula_with_random_convolutions(drafted_on
     inside its block (kernels from the sublayer input's projection), the residuals around
     each convolved sublayer, the final norm; with ``drafted_only``, slot 0 of each block
     dropped after the last MLP."""
-    from helpers import tiny_dflash2
-
-    from dflash.objective.masks import build_mask
-
     drafter = tiny_dflash2(seed=3).double()
     B, S, H = drafter.config.block_size, 9, drafter.config.hidden_size
     g = torch.Generator().manual_seed(4)
@@ -162,12 +159,13 @@ def test_dflash2_layers_equal_a_hand_formula_with_random_convolutions(drafted_on
         K = drafter.config.dflash2.conv_kernel_size
         x = blocks.clone()
         for layer in drafter.layers:
-            for conv, sublayer, norm in ((layer.attention_conv, "attention", layer.input_layernorm),
-                                         (layer.mlp_conv, "mlp", layer.post_attention_layernorm)):
+            attention = lambda h, layer=layer: layer.self_attn(h, ctx, rope_block, rope_ctx, mask)  # noqa: E731
+            for conv, norm, sublayer in ((layer.attention_conv, layer.input_layernorm, attention),
+                                         (layer.mlp_conv, layer.post_attention_layernorm, layer.mlp)):
                 h = norm(x)
                 delta = conv.kernel_projection(h).unflatten(-1, (2, K, conv.groups))
                 inner = torch.stack([conv_by_hand(h[r], conv.base_kernel[0], delta[r, :, 0], B) for r in range(2)])
-                y = layer.self_attn(inner, ctx, rope_block, rope_ctx, mask) if sublayer == "attention" else layer.mlp(inner)
+                y = sublayer(inner)
                 x = x + torch.stack([conv_by_hand(y[r], conv.base_kernel[1], delta[r, :, 1], B) for r in range(2)])
         want = drafter.norm(x)
         if drafted_only:
