@@ -28,16 +28,10 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.compile import assert_main_thread
 from dflash.distributed.protocol import Protocol
 from dflash.distributed.topology import Topology, TopologyError
-from dflash.run.build import build_job, build_topology, timeouts
+from dflash.run.build import Job, build_job, build_topology, timeouts
 from dflash.run.config import config_dir
-from dflash.run.estimate import (
-    DoesNotFit,
-    check_fits,
-    choose_layout,
-    format_estimate,
-    format_options,
-)
 from dflash.run.garbage import collected_between_steps
+from dflash.run.layout import DoesNotFit, check_fits, format_layout, format_options
 from dflash.run.metrics import require_wandb
 from dflash.run.roles import run_colocated, run_drafter_rank, run_target_rank
 from dflash.run.startup import phases as startup
@@ -54,20 +48,25 @@ def setup_logging(topo: Topology | None) -> None:
     logging.basicConfig(level=level, format=f"[rank {topo.rank}] %(asctime)s %(name)s: %(message)s", force=True)
 
 
-def dry_run(cfg: DictConfig, job) -> dict:
+def dry_run(cfg: DictConfig) -> dict:
     """Print the plan and return, touching neither weights nor the output directory."""
-    world = int(cfg.estimate.nproc or os.environ.get("WORLD_SIZE", 1))
     try:
-        layout = choose_layout(job, world)
-        check_fits(layout.cost)
+        job = build_job(cfg)
+        check_fits(job.layout.taken)
     except (TopologyError, DoesNotFit) as e:
         raise SystemExit(f"dry run: the plan is refused: {e}") from None
     if int(os.environ.get("RANK", 0)) == 0:
-        print(format_estimate(layout.job, layout.cost), flush=True)
-        if world > 1:
-            plan = layout.job.plan
-            print(format_options(layout.options, layout.targets, plan.micro_batch_size, plan.packing), flush=True)
+        print(describe(job, several=job.layout.taken.world_size > 1), flush=True)
     return {"dry_run": True}
+
+
+def describe(job: Job, several: bool) -> str:
+    """The layout's cost, and with ``several`` ranks the layouts open to it."""
+    text = format_layout(job.layout_settings, job.plan, job.layout)
+    if several:
+        text += "\n" + format_options(job.layout.options, job.layout.targets, job.plan.micro_batch_size,
+                                      job.plan.packing)
+    return text
 
 
 def train(cfg: DictConfig) -> dict:
@@ -82,24 +81,19 @@ def train(cfg: DictConfig) -> dict:
 def run_role(cfg: DictConfig) -> dict:
     """The plan (its micro-batch fitted to a rank's memory), the layout, the process
     groups, then this rank's role."""
-    job = build_job(cfg)
-    startup.mark("the plan")
     if cfg.dry_run:
-        return dry_run(cfg, job)
+        return dry_run(cfg)
+    job = build_job(cfg)
+    startup.mark("the plan and the layout")
     require_wandb(cfg.wandb.mode)
-    layout = choose_layout(job, int(os.environ.get("WORLD_SIZE", "1")))
-    job = layout.job
-    topo = build_topology(job, layout.targets)
+    topo = build_topology(job, job.layout.targets)
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:
-        log.info("%s", format_estimate(job, layout.cost))
-        if topo:
-            log.info("%s", format_options(layout.options, layout.targets, job.plan.micro_batch_size, job.plan.packing))
+        log.info("%s", describe(job, several=topo is not None))
         try:
-            check_fits(layout.cost)
+            check_fits(job.layout.taken)
         except DoesNotFit as e:
             log.warning("%s (an estimate: the run goes on)", e)
-    startup.mark("the layout and the estimate")
     run_dir = job.settings.run_dir
     if topo is None or topo.rank == 0:
         run_dir.root.mkdir(parents=True, exist_ok=True)

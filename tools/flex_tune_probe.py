@@ -17,7 +17,7 @@ import time
 import torch
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash.bench import timed
+from dflash.bench.timing import timed
 from dflash.objective.anchors import sample_anchors
 from dflash.objective.masks import build_mask
 

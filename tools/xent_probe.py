@@ -17,7 +17,7 @@ import itertools
 
 import torch
 
-from dflash.bench import timed
+from dflash.bench.timing import timed
 from dflash.objective import xent
 
 BLOCKS = (1024, 2048, 4096)

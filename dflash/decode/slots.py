@@ -3,7 +3,7 @@ replayed as CUDA graphs.
 
 A target forward at decoding shapes (a few tokens per row) is launch-bound in eager HF:
 at Qwen3-8B shapes on the H200 a greedy step of 32 rows took about 43 ms, against 3.5 ms to
-read the weights once (BENCHMARKS.md, "Decoding speed"). With every shape fixed, the
+read the weights once (docs/benchmarks/2026-12-01-h200-decoding-dflash2-moe.md, "Decoding speed"). With every shape fixed, the
 forward can be recorded once as a CUDA graph and replayed for the price of copying its
 inputs.
 

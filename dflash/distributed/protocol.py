@@ -80,7 +80,7 @@ class ProtocolError(RuntimeError):
 
 @dataclass(frozen=True)
 class Timeouts:
-    """Bounds of the three kinds of wait (``topology.*_timeout_s``; README, "No silent hang")."""
+    """Bounds of the three kinds of wait (``topology.*_timeout_s``; docs/layouts.md, "No silent hang")."""
 
     init_s: float  # joining, creating groups, first contact on every link
     warmup_s: float  # loading the model and data, and each compile warmup turn

@@ -42,7 +42,7 @@ def sink_linear(x: torch.Tensor, weight: torch.Tensor, sink: torch.Tensor) -> to
     A custom op with its own autograd rather than an ``autograd.Function``: Dynamo
     records an op as one node, where it traces a Function's forward and backward
     into subgraphs at every call, 46 calls per drafter step. On the CPU that cut
-    Dynamo's tracing of the steps by half (BENCHMARKS.md, tenth session), time a
+    Dynamo's tracing of the steps by half (docs/benchmarks/2026-12-03-h200-both-kernels-warm-launch.md), time a
     warm launch spends before its first step."""
     return F.linear(x, weight)
 

@@ -7,7 +7,7 @@ log-sum-exp and argmax, the label's logit, and the logits' gradient
 two reads of the logits and one write of the gradient. Compiled from the plain
 PyTorch formula, Inductor's kernels move more than that: ``logsumexp`` keeps max
 and sum apart and the argmax is a third reduction (the timings are in
-BENCHMARKS.md, "NVIDIA H200 ... Qwen3-8B shapes", the vocabulary pass; ``python
+docs/benchmarks/2026-11-30-h200-compile-warm-starts-checkpoints.md, the vocabulary pass; ``python
 tools/xent_probe.py`` measures them). Here, on CUDA, one Triton kernel reads each row
 once for all the statistics (an online softmax whose running max also carries
 the argmax), and a second writes the gradient. Elsewhere the op is the PyTorch

@@ -1,7 +1,8 @@
 """From the config to the parts of a run: the job, the topology, the target side, the
 drafter side.
 
-Everything here is construction; :mod:`dflash.run.roles` runs the parts. Both sides
+Everything here is construction: the layout is chosen by :mod:`dflash.run.layout`, and
+:mod:`dflash.run.roles` runs the parts. Both sides
 take every shared number from :class:`dflash.run.plan.Plan` and every other setting
 from :class:`dflash.run.settings.RunSettings`; below this module nothing reads the
 Hydra config.
@@ -26,12 +27,7 @@ from dflash.data.order import PackedOrder, SampleOrder, collate
 from dflash.device import pick_device
 from dflash.distributed import tensor_parallel
 from dflash.distributed.protocol import Protocol, Timeouts
-from dflash.distributed.topology import (
-    Topology,
-    TopologyError,
-    auto_target_ranks,
-    nearest_allowed_split,
-)
+from dflash.distributed.topology import Topology, TopologyError
 from dflash.model.drafter import (
     DFlashDrafter,
     DrafterConfig,
@@ -43,9 +39,15 @@ from dflash.model.export import init_from
 from dflash.model.target import PrefillOutput, Target, TargetSource
 from dflash.run.checkpoint import CheckpointMismatch, resume_candidates
 from dflash.run.config import target_source
+from dflash.run.layout import LayoutChoice, choose_layout
 from dflash.run.metrics import MetricsLogger
 from dflash.run.plan import Plan, resolve_plan
-from dflash.run.settings import RunSettings, run_settings
+from dflash.run.settings import (
+    LayoutSettings,
+    RunSettings,
+    layout_settings,
+    run_settings,
+)
 from dflash.run.step import DrafterTrainer, build_optimizer, cosine_schedule
 
 log = logging.getLogger(__name__)
@@ -60,18 +62,28 @@ class Job:
     source: TargetSource
     target_config: PretrainedConfig
     tokenizer: PreTrainedTokenizerBase | None  # read once: the plan's mask id and the target side's data
-    plan: Plan
+    plan: Plan  # its micro-batch as the layout's choice fitted it
+    drafter: DrafterConfig
     settings: RunSettings
     device: torch.device
     dtype: torch.dtype  # the target's weights and the drafter's autocast
     compile: CompileSettings
+    layout_settings: LayoutSettings
+    layout: LayoutChoice  # for the world size the job was planned for
     tensor_parallel: int = 1  # target ranks per target replica (target.tensor_parallel)
-    # why train.micro_batch_size=auto took fewer sequences than train.micro_batch_tokens allows
-    # (dflash.run.estimate.choose_layout); said in the dry run and the start log
-    micro_batch_note: str = ""
 
 
-def build_job(cfg: DictConfig) -> Job:
+def planned_world_size(cfg: DictConfig) -> int:
+    """The ranks a job is planned for: ``estimate.nproc`` in a dry run, else torchrun's."""
+    launched = int(os.environ.get("WORLD_SIZE", 1))
+    return int(cfg.estimate.nproc or launched) if cfg.dry_run else launched
+
+
+def build_job(cfg: DictConfig, world_size: int | None = None) -> Job:
+    """The job of ``cfg`` on ``world_size`` ranks (:func:`planned_world_size` if None): the
+    plan, its layout and micro-batch chosen once (:func:`~dflash.run.layout.choose_layout`),
+    the settings. Raises :class:`TopologyError` or :class:`~dflash.run.layout.DoesNotFit`
+    for a plan no layout can run."""
     drafter = cfg.drafter  # checked on every rank, before anything loads
     check_layer_types(drafter.get("layer_types"), drafter.num_layers, drafter.get("sliding_window"))
     source = target_source(cfg)
@@ -86,7 +98,14 @@ def build_job(cfg: DictConfig) -> Job:
         tensor_parallel.check_heads(target_config, k)
         # the sharded layers run collectives inside; the prefill runs eager
         compile_settings = replace(compile_settings, target=False)
-    return Job(cfg, source, target_config, tokenizer, plan, run_settings(cfg), device, dtype, compile_settings, k)
+    settings = run_settings(cfg)
+    layout = layout_settings(cfg, flash=compile_settings.attention == "flash", tensor_parallel=k,
+                             live_every=settings.live.every if settings.live else 0, target_path=str(source.path))
+    drafter_cfg = drafter_config(cfg.drafter, target_config, plan)  # the micro-batch does not enter it
+    models = meta_models(source, target_config, drafter_cfg)
+    plan, choice = choose_layout(layout, plan, models, planned_world_size(cfg) if world_size is None else world_size)
+    return Job(cfg, source, target_config, tokenizer, plan, drafter_cfg, settings, device, dtype, compile_settings,
+               layout, choice, k)
 
 
 def check_tensor_parallel(cfg: DictConfig, k: int) -> None:
@@ -125,51 +144,20 @@ def build_topology(job: Job, targets: int) -> Topology | None:
     return topo
 
 
-def meta_models(job: Job) -> tuple[nn.Module, DFlashDrafter]:
+def meta_models(source: TargetSource, target_config: PretrainedConfig, drafter: DrafterConfig
+                ) -> tuple[nn.Module, DFlashDrafter]:
     """The target and the drafter on the meta device: shapes and parameter counts, no memory."""
     with torch.device("meta"):
-        target = AutoModelForCausalLM.from_config(job.target_config, trust_remote_code=job.source.trust_remote_code)
-        drafter = DFlashDrafter(drafter_config(job))
-    return target, drafter
+        target = AutoModelForCausalLM.from_config(target_config, trust_remote_code=source.trust_remote_code)
+        return target, DFlashDrafter(drafter)
 
 
-def split_by_flops(job: Job, world: int, target: nn.Module, drafter: DFlashDrafter) -> int:
-    """Target ranks of ``world`` from the FLOPs of both sides (the target's count takes the
-    experts a token runs through, the drafter's the frozen LM head it runs through too),
-    moved to the nearest split the batch divides over."""
-    text = target.config.get_text_config()
-    target_params = active_params(target, text)
-    head_params = target.get_output_embeddings().weight.numel()
-    drafter_params = sum(p.numel() for p in drafter.parameters()) + head_params
-    split = auto_target_ranks(world, target_params, drafter_params, job.plan.num_anchors, job.plan.max_len,
-                              job.tensor_parallel)
-    return nearest_allowed_split(split, world, job.plan.micro_batch_size, job.plan.batch_size, job.tensor_parallel)
-
-
-def active_params(module: nn.Module, text: PretrainedConfig) -> float:
-    """The parameters of ``module`` (a target or one of its layers) that one token runs
-    through: of the routed experts (the ``experts`` modules' weights) only
-    ``num_experts_per_tok`` of every expert count; the router, a shared expert and
-    everything else count whole (tied weights once)."""
-    experts = next((getattr(text, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
-                    if getattr(text, key, None)), None)
-    share = getattr(text, "num_experts_per_tok", 0) / experts if experts else 1.0
-    return sum(p.numel() * (share if ".experts." in f".{name}" else 1.0) for name, p in module.named_parameters())
-
-
-def auto_split(job: Job, world: int) -> int:
-    """``topology.target_ranks=auto``, counted on meta-device models. The start log's plan
-    says what it chose; logged here, it would repeat for every micro-batch size the plan
-    tries (:func:`dflash.run.estimate.choose_layout`)."""
-    return split_by_flops(job, world, *meta_models(job))
-
-
-def drafter_config(job: Job) -> DrafterConfig:
+def drafter_config(drafter: DictConfig, target_config: PretrainedConfig, plan: Plan) -> DrafterConfig:
     """The drafter takes every shape but its depth (and each layer's attention) from the target;
     ``drafter.num_attention_heads``, ``num_key_value_heads`` and ``head_dim`` override the
     target's where released drafters differ from it (Qwen3.5/3.6-class hybrids: 32 heads
     of 128 against the target's 24 of 256)."""
-    text, drafter = job.target_config.get_text_config(), job.cfg.drafter
+    text = target_config.get_text_config()
     rope = getattr(text, "rope_parameters", None) or {}
     layer_types = drafter.get("layer_types")
     return DrafterConfig(
@@ -181,9 +169,9 @@ def drafter_config(job: Job) -> DrafterConfig:
         head_dim=drafter.get("head_dim") or getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
         vocab_size=text.vocab_size,
         num_target_layers=text.num_hidden_layers,
-        target_layer_ids=list(job.plan.layer_ids),
-        mask_token_id=job.plan.mask_token_id,
-        block_size=job.plan.block_size,
+        target_layer_ids=list(plan.layer_ids),
+        mask_token_id=plan.mask_token_id,
+        block_size=plan.block_size,
         rms_norm_eps=text.rms_norm_eps,
         rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 1_000_000.0))),
         max_position_embeddings=text.max_position_embeddings,
@@ -293,7 +281,7 @@ def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
     """The drafter on the target's shapes (fp32 master weights, bf16 autocast on GPU)
     with AdamW and a cosine schedule over ``steps``."""
     train = job.cfg.train
-    config = drafter_config(job)
+    config = job.drafter
     torch.manual_seed(job.plan.seed)
     with torch.device(job.device):  # drawn where it trains: 14 s of host init for 1B parameters otherwise
         drafter = DFlashDrafter(config)
@@ -309,7 +297,7 @@ def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
     optimizer = build_optimizer(drafter, train.lr, train.weight_decay, tuple(train.betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(steps, train.warmup_ratio, train.min_lr_ratio))
     autocast = job.dtype if job.device.type == "cuda" else None
-    return DrafterTrainer(drafter, head, replace(job.plan.objective(), total_steps=steps), optimizer, scheduler,
+    return DrafterTrainer(drafter, head, replace(job.plan.objective, total_steps=steps), optimizer, scheduler,
                           train.grad_clip, autocast, job.compile)
 
 

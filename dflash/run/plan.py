@@ -22,8 +22,7 @@ from dflash.distributed.transport import Expected
 from dflash.model.drafter import default_target_layer_ids
 from dflash.model.target import resolve_mask_token_id
 from dflash.objective.anchors import AnchorSpec
-from dflash.objective.loss import default_gamma
-from dflash.run.step import ObjectiveConfig
+from dflash.objective.config import ObjectiveConfig
 
 
 @dataclass(frozen=True)
@@ -44,17 +43,10 @@ class Plan:
     layer_ids: tuple[int, ...]  # target layers whose hidden states form the context
     feature_dim: int  # len(layer_ids) x the target's hidden size
     mask_token_id: int  # the embedding row of the drafted slots, checked against the target's vocabulary
-    gamma: float
-    ce_weight: float
-    kl_weight: float
-    chunk_size: int
+    objective: ObjectiveConfig  # the loss group whole, with the block size, mask id and packing above
     max_steps: int  # 0: train for `epochs`
     epochs: int
     packing: bool = False  # rows of max_len tokens, each filled with whole samples
-    selector_alpha: float = 1.0  # DFlash2: the selector term's weight after warmup and ramp
-    selector_warmup: float = 0.0  # fractions of the run's steps
-    selector_ramp: float = 0.0
-    selector_stop_gradient: bool = False
 
     @property
     def micro_per_step(self) -> int:
@@ -78,14 +70,6 @@ class Plan:
     def total_steps(self, order: SampleOrder | PackedOrder) -> int:
         return self.max_steps or self.epochs * order.steps_per_epoch
 
-    def objective(self) -> ObjectiveConfig:
-        return ObjectiveConfig(
-            block_size=self.block_size, mask_token_id=self.mask_token_id, gamma=self.gamma,
-            ce_weight=self.ce_weight, kl_weight=self.kl_weight, chunk_size=self.chunk_size, packed=self.packing,
-            selector_alpha=self.selector_alpha, selector_warmup=self.selector_warmup, selector_ramp=self.selector_ramp,
-            selector_stop_gradient=self.selector_stop_gradient,
-        )
-
     def expected(self, feature_dtype: torch.dtype) -> Expected:
         """What a drafter accepts in a bundle header."""
         return Expected(
@@ -105,7 +89,7 @@ def auto_micro_batch(batch_size: int, padded_len: int, tokens: int) -> int:
     """``train.micro_batch_size=auto``: the most sequences of the longest bucket that fit
     ``tokens`` (at least one) and divide the batch. An 8B target's prefill of one 768-token
     sequence runs far below the MFU that four reach, while the drafter step gains little
-    (BENCHMARKS.md, "Larger micro-batches, colocated"): the prefill needs a few thousand
+    (docs/benchmarks/2026-12-03-h200-micro-batch.md, "Larger micro-batches, colocated"): the prefill needs a few thousand
     tokens to fill the GPU."""
     most = max(1, tokens // padded_len)
     return next(m for m in range(min(most, batch_size), 0, -1) if batch_size % m == 0)
@@ -127,6 +111,7 @@ def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: Pr
     micro = train.micro_batch_size
     if micro == "auto":
         micro = auto_micro_batch(train.batch_size, padded_length(buckets, train.max_len), train.micro_batch_tokens)
+    mask_token_id = resolve_mask_token_id(tokenizer, text.vocab_size, cfg.target.mask_token_id)
     return Plan(
         seed=train.seed,
         batch_size=train.batch_size,
@@ -138,16 +123,9 @@ def resolve_plan(cfg: DictConfig, target_config: PretrainedConfig, tokenizer: Pr
         topk=cfg.loss.kl_topk,
         layer_ids=tuple(layer_ids),
         feature_dim=len(layer_ids) * text.hidden_size,
-        mask_token_id=resolve_mask_token_id(tokenizer, text.vocab_size, cfg.target.mask_token_id),
-        gamma=cfg.loss.gamma or default_gamma(block_size),
-        ce_weight=cfg.loss.ce_weight,
-        kl_weight=cfg.loss.kl_weight,
-        chunk_size=cfg.loss.chunk_size,
+        mask_token_id=mask_token_id,
+        objective=ObjectiveConfig.of_loss(cfg.loss, block_size=block_size, mask_token_id=mask_token_id, packed=packing),
         max_steps=train.max_steps or 0,
         epochs=train.epochs,
         packing=packing,
-        selector_alpha=cfg.loss.selector_alpha,
-        selector_warmup=cfg.loss.selector_warmup,
-        selector_ramp=cfg.loss.selector_ramp,
-        selector_stop_gradient=cfg.loss.selector_stop_gradient,
     )

@@ -50,7 +50,6 @@ from dflash.run.build import (
     TargetSide,
     build_drafter_side,
     build_target_side,
-    drafter_config,
     warm_drafter,
 )
 from dflash.run.loop import StepLoop
@@ -330,7 +329,7 @@ def eval_server(job: Job, topo: Topology, proto: Protocol, side: TargetSide) -> 
     live = job.settings.live
     if live is None or topo.rank != 0:
         return None
-    evaluator = Evaluator(side.target, side.tokenizer, side.target.head(), drafter_config(job), live)
+    evaluator = Evaluator(side.target, side.tokenizer, side.target.head(), job.drafter, live)
     return EvalServer(proto, evaluator, sliced=job.device.type == "cuda")
 
 

@@ -7,19 +7,26 @@ directory and every setting has one route from the command line to its use.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.decode.evaluate import BASELINE_FILE
 from dflash.decode.live import LiveEvalSettings
 from dflash.decode.speculative import DecodeSettings
+from dflash.distributed.topology import TopologyError
+
+GIB = 2**30
+H200_GIB = 139.8  # usable memory of one H200 as torch reports it
+LAYOUT_MODES = ("auto", "colocated", "disaggregated")
 
 
 @dataclass(frozen=True)
 class RunDir:
-    """Every path a run writes under ``output_dir`` (the README's "Output files")."""
+    """Every path a run writes under ``output_dir`` (README, "Output files")."""
 
     root: Path
     config: Path  # config.yaml, the resolved config
@@ -127,4 +134,75 @@ def run_settings(cfg: DictConfig) -> RunSettings:
         config=OmegaConf.to_container(cfg, resolve=True),
         export_eval=export_eval(cfg),
         live=live_eval_settings(cfg),
+    )
+
+
+@dataclass(frozen=True)
+class LayoutSettings:
+    """What choosing the layout (:mod:`dflash.run.layout`) and counting its cost
+    (:mod:`dflash.run.estimate`) read of the config: the ``topology`` and ``estimate``
+    groups and the micro-batch keys, checked once. Neither module reads anything else."""
+
+    mode: str  # topology.mode: auto, colocated or disaggregated
+    target_ranks: int | None  # topology.target_ranks; None: auto
+    max_in_flight: int  # bundles a target rank may have in flight
+    auto_micro_batch: bool  # train.micro_batch_size=auto: the token budget's choice may be stepped down
+    micro_batch_tokens: int  # train.micro_batch_tokens, the budget's
+    device: str | None  # estimate.device: cuda, cpu, or None for this machine's
+    device_gib: float  # estimate.device_gib, else the visible GPU's, else an H200's
+    rates_path: str  # estimate.rates: a dflash.bench report whose rates predict samples/s; "": the H200's
+    rates_report: dict | None  # that report, read once
+    graphs: bool  # compile.mode=reduce-overhead: the drafter step's graph holds a copy of its inputs
+    flash: bool  # flex attention on FlashAttention-4's kernels (compile.attention=flash, resolved)
+    mean_length: float | None  # the mean sample length of data=synthetic with data.mean_length
+    live_every: int  # evaluations while training every so many steps; 0: none
+    tensor_parallel: int  # target ranks per target replica
+    target: str  # "name (path)", for the plan's first line
+
+    def for_cuda(self, world_size: int) -> bool:
+        """Whether the plan is for GPUs (bf16 weights, H200 rates) or the CPU (float32, no
+        rate): ``estimate.device`` when set, so that a 1-GPU run can be planned from a
+        machine without one; else the run this command would start here, on GPUs where
+        there is one or where the plan spans several ranks."""
+        if self.device is None:
+            return torch.cuda.is_available() or world_size > 1
+        return self.device == "cuda"
+
+
+def layout_settings(cfg: DictConfig, *, flash: bool, tensor_parallel: int, live_every: int,
+                    target_path: str) -> LayoutSettings:
+    """The :class:`LayoutSettings` of ``cfg``, with what the job resolved beside it.
+    Raises for a mode, a split or a device the plan cannot take."""
+    topology, estimate, train = cfg.topology, cfg.estimate, cfg.train
+    if topology.mode not in LAYOUT_MODES:
+        raise TopologyError(f"topology.mode={topology.mode} is not one of {', '.join(LAYOUT_MODES)}")
+    if topology.mode == "colocated" and topology.target_ranks not in ("auto", 0):
+        raise TopologyError(f"topology.target_ranks={topology.target_ranks} splits the ranks into targets and "
+                            "drafters, and topology.mode=colocated runs both on every rank: drop one of the two")
+    if estimate.device not in (None, "cuda", "cpu"):
+        raise ValueError(f"estimate.device={estimate.device!r}: choose cuda, cpu or null (this machine's)")
+    if estimate.device_gib:
+        device_gib = float(estimate.device_gib)
+    elif torch.cuda.is_available():
+        device_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+    else:
+        device_gib = H200_GIB
+    rates = str(estimate.rates or "")
+    synthetic = cfg.data.path == "synthetic" and cfg.data.get("mean_length")
+    return LayoutSettings(
+        mode=str(topology.mode),
+        target_ranks=None if topology.target_ranks == "auto" else int(topology.target_ranks),
+        max_in_flight=int(topology.max_in_flight),
+        auto_micro_batch=train.micro_batch_size == "auto",
+        micro_batch_tokens=int(train.micro_batch_tokens),
+        device=estimate.device,
+        device_gib=device_gib,
+        rates_path=rates,
+        rates_report=json.loads(Path(rates).read_text()) if rates else None,
+        graphs=cfg.compile.mode == "reduce-overhead",
+        flash=flash,
+        mean_length=cfg.data.mean_length if synthetic else None,
+        live_every=live_every,
+        tensor_parallel=tensor_parallel,
+        target=f"{cfg.target.name} ({target_path})",
     )

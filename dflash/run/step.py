@@ -24,27 +24,11 @@ from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, TargetHead, draft
 from dflash.model.linear import Linear
 from dflash.model.target import PrefillOutput
 from dflash.objective.anchors import make_blocks, sample_starts
+from dflash.objective.config import ObjectiveConfig
 from dflash.objective.loss import head_loss, slot_accuracy, teacher_at
 from dflash.objective.masks import MaskParts, build_mask, mask_of_parts, mask_parts
 from dflash.objective.selector import predecessors, selector_loss, selector_weight
 from dflash.run.checkpoint import load_checkpoint
-
-
-@dataclass
-class ObjectiveConfig:
-    block_size: int
-    mask_token_id: int
-    gamma: float
-    ce_weight: float = 1.0
-    kl_weight: float = 0.0
-    chunk_size: int = 1024
-    packed: bool = False  # rows hold several samples (train.packing): each anchor's context stops at its sample
-    # DFlash2: the selector term's weight, reached after warmup + ramp (fractions of total_steps)
-    selector_alpha: float = 1.0
-    selector_warmup: float = 0.0
-    selector_ramp: float = 0.0
-    selector_stop_gradient: bool = False
-    total_steps: int = 0
 
 
 @dataclass

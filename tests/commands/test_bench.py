@@ -6,21 +6,14 @@ import pytest
 import torch
 from runs import RANDOM_TARGET
 
-from dflash.bench import (
-    PACKED_ROWS,
-    bench_job,
-    format_report,
-    packed_batches,
-    parse_decode,
-    run_bench,
-    run_decode,
-    run_p2p,
-    run_training,
-    run_warmup,
-)
+from dflash.bench.decoding import format_decode, parse_decode, run_decode
+from dflash.bench.p2p import format_p2p, run_p2p
+from dflash.bench.roles import PACKED_ROWS, format_rows, packed_batches, run_bench
+from dflash.bench.timing import bench_job
+from dflash.bench.training import format_training, run_training
+from dflash.bench.warmup import format_warmup, run_warmup
 from dflash.model.drafter import DFlashDrafter
 from dflash.model.target import random_target
-from dflash.run.build import drafter_config
 from dflash.run.estimate import drafter_flops, keys_per_token, prefill_flops
 from dflash.run.step import DrafterTrainer
 
@@ -31,7 +24,7 @@ TINY = ["wandb.mode=disabled", "train.micro_batch_size=2", "train.num_anchors=4"
 def test_flop_count_of_the_design_reference():
     job = bench_job(["target=qwen3_8b", "train=paper"])
     config = job.target_config
-    drafter = drafter_config(job)
+    drafter = job.drafter
     with torch.device("meta"):
         params = sum(p.numel() for p in DFlashDrafter(drafter).parameters())
     assert params == pytest.approx(1.049e9, rel=1e-3)
@@ -53,7 +46,7 @@ def test_bench_reports_every_role(tmp_path):
     assert all(r["step_ms"] > 0 for r in report["rows"] if "step_ms" in r)
     assert sum("step_ms" in r for r in report["rows"]) == 5
     json.dumps(report)
-    assert "mfu_pct" in format_report(report)
+    assert "mfu_pct" in format_rows(report)
 
 
 def test_decode_bench_times_the_evaluation_loops():
@@ -63,7 +56,7 @@ def test_decode_bench_times_the_evaluation_loops():
     assert set(rows) == {"speculative, batch 32", "speculative, batch 1", "greedy baseline, batch 32"}
     assert rows["speculative, batch 32"]["new_tokens"] == 18 and rows["speculative, batch 1"]["new_tokens"] == 6
     assert rows["greedy baseline, batch 32"]["lossless_prompts"] == 3  # float32 on the CPU
-    assert "tokens/s" in format_report(report)
+    assert "tokens/s" in format_decode(report)
     with pytest.raises(SystemExit, match="PROMPTSxNEW_TOKENS"):
         parse_decode("64")
 
@@ -92,7 +85,7 @@ def test_warmup_bench_staggers_two_processes():
     assert [r["turn"] for r in at_once] == [0, 0] and [r["turn"] for r in staggered] == [0, 1]
     assert staggered[1]["began"] >= staggered[0]["ended"]
     assert all(r["graphs"] == 2 for r in at_once + staggered)  # the step and its masks
-    assert "staggered" in format_report(report)
+    assert "staggered" in format_warmup(report)
 
 
 def test_p2p_bench_sends_bundles_between_two_ranks():
@@ -100,7 +93,7 @@ def test_p2p_bench_sends_bundles_between_two_ranks():
     # 2 sequences x 64 tokens x (5 layers x 128) fp32 features alone are 0.33 MB
     assert report["backend"] == "gloo" and report["bundle_mb"] > 0.32
     assert report["bundle_gb_per_s"] > 0 and report["raw_gb_per_s"] > 0
-    assert "GB/s" in format_report({"p2p": report})
+    assert "GB/s" in format_p2p({"p2p": report})
 
 
 @pytest.mark.parametrize("layout", [[], ["topology.target_ranks=1"]], ids=["auto", "split"])
@@ -119,7 +112,7 @@ def test_training_bench_times_the_steps_of_a_run_on_two_ranks(layout):
     assert roles == (["colocated"] * 2 if report["layout"] == "colocated data-parallel" else ["drafter", "target"])
     if layout:
         assert report["layout"] == "1 target / 1 drafter"
-    assert "per GPU" in format_report(report)
+    assert "per GPU" in format_training(report)
 
 
 def test_prefill_flops_count_only_the_layers_that_run():
@@ -154,4 +147,4 @@ def test_a_packed_bench_counts_the_work_of_the_rows_every_role_cycles_over():
     flops = [prefill_flops(model, 64, False, list(job.plan.layer_ids), k) for k in keys]
     prefill = next(r for r in report["rows"] if r["role"] == "target")
     assert prefill["tflop_per_step"] == round(sum(flops) / len(flops) / 1e12, 2)
-    assert "8 packed rows" in format_report(report)
+    assert "8 packed rows" in format_rows(report)

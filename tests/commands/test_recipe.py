@@ -60,7 +60,7 @@ def test_dry_run_states_hours_and_gpu_hours_and_starts_nothing(tmp_path):
     out = recipe(tmp_path, {"DRY_RUN": "1", "NGPU": "8"}, "/absent/Qwen3-8B", str(prompts(tmp_path)),
                  "/absent/released", str(tmp_path / "work"))
     assert out.returncode == 0, out.stderr
-    assert "plan for qwen3_8b" in out.stdout and "on 8 rank(s)" in out.stdout
+    assert "cost of qwen3_8b" in out.stdout and "on 8 rank(s)" in out.stdout
     assert "training: 40 samples x 6 epochs at" in out.stdout and "GPU-hours" in out.stdout
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["plan.txt"]
 

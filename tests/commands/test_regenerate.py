@@ -17,14 +17,10 @@ from dflash.data.template import reply_end_ids
 from dflash.decode.speculative import greedy_generate
 from dflash.distributed.protocol import free_port, set_rank_env
 from dflash.model.target import TargetSource
-from dflash.regenerate import (
-    LocalTarget,
-    Sampling,
-    drop_partial_line,
-    main,
-    parts_dir,
-    unique_key,
-)
+from dflash.regenerate.local import LocalTarget
+from dflash.regenerate.records import Sampling, unique_key
+from dflash.regenerate.run import main
+from dflash.regenerate.shards import drop_partial_line, parts_dir
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

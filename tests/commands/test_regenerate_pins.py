@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dflash.regenerate import Conversation, Reply, ShardWriter, merge
+from dflash.regenerate.records import Conversation, Reply
+from dflash.regenerate.shards import ShardWriter, merge
 
 
 def test_merge_writes_records_in_input_order_whatever_the_keys_and_shards(tmp_path: Path):

@@ -21,7 +21,8 @@ from dflash.decode.evaluate import evaluate
 from dflash.decode.speculative import DecodeSettings
 from dflash.model.drafter import TargetHead
 from dflash.model.target import TargetSource
-from dflash.regenerate import LocalTarget, Sampling
+from dflash.regenerate.local import LocalTarget
+from dflash.regenerate.records import Sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

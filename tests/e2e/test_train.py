@@ -102,10 +102,10 @@ def test_unknown_keys_are_errors():
 
 
 def test_auto_split_counts_both_models():
-    from dflash.run.build import auto_split, build_job
+    from dflash.run.build import build_job
 
     for world in (2, 4, 8):
-        assert 1 <= auto_split(build_job(compose_cfg([])), world) <= world - 1
+        assert 1 <= build_job(compose_cfg([]), world).layout.taken.auto_targets <= world - 1
 
 
 def test_a_missing_wandb_is_refused_at_start(monkeypatch):

@@ -21,11 +21,11 @@ from dflash.objective.anchors import (
     sample_anchors,
     sample_generator,
 )
+from dflash.objective.config import ObjectiveConfig
 from dflash.objective.masks import build_mask
 from dflash.run.checkpoint import HostBuffers, snapshot
 from dflash.run.step import (
     DrafterTrainer,
-    ObjectiveConfig,
     build_optimizer,
     cosine_schedule,
 )

@@ -16,7 +16,7 @@ from runs import RANDOM_TARGET, TINY
 from dflash.model.drafter import DFlashDrafter, DrafterConfig, apply_rope
 from dflash.model.export import load_export, save_export
 from dflash.objective.masks import build_mask
-from dflash.run.build import build_job, drafter_config
+from dflash.run.build import build_job
 from dflash.run.config import compose_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,7 +38,7 @@ def test_drafter_rope_equals_transformers_qwen3_in_float64(theta: float | None):
     job = build_job(compose_config(TINY + RANDOM_TARGET + extra))
     text = job.target_config.get_text_config()
     assert theta is None or text.rope_parameters["rope_theta"] == theta  # None: transformers' Qwen3 default
-    config = drafter_config(job)
+    config = job.drafter
     assert config.rope_theta == text.rope_parameters["rope_theta"]
     drafter = DFlashDrafter(config)  # fp32 tables, as trained and as the target computes them
 

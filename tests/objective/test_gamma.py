@@ -69,7 +69,8 @@ def test_blocks_carry_the_decay_where_there_is_loss():
 def test_trainer_passes_decayed_weights_to_the_loss(monkeypatch):
     """What the drafter step hands to the head loss (and normalises by) is the decay above."""
     import dflash.run.step as step_module
-    from dflash.run.step import DrafterTrainer, ObjectiveConfig
+    from dflash.objective.config import ObjectiveConfig
+    from dflash.run.step import DrafterTrainer
 
     B, gamma, S = 4, 1.7, 20
     seen = {}

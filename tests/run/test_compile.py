@@ -25,9 +25,9 @@ from dflash.compile import (
     warmup_turn,
 )
 from dflash.model.drafter import FULL
+from dflash.objective.config import ObjectiveConfig
 from dflash.run.step import (
     DrafterTrainer,
-    ObjectiveConfig,
     build_optimizer,
     cosine_schedule,
 )

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import dflash.run.estimate as estimate_module
+import dflash.run.build as build_module
+import dflash.run.layout as layout_module
 from dflash.data.bundle import flatten, random_batch, random_prefill
 from dflash.distributed.topology import TopologyError
 from dflash.flex import flash_unsupported
@@ -17,25 +18,28 @@ from dflash.model.drafter import DrafterConfig
 from dflash.run.build import build_job, meta_models
 from dflash.run.config import compose_config
 from dflash.run.estimate import (
-    DoesNotFit,
-    Estimate,
-    choose_layout,
+    Cost,
     drafter_attention_flops,
     drafter_flops,
-    estimate,
-    faster_split_barred_by_batch,
-    fastest_fitting,
-    format_options,
-    layout_options,
     prefill_attention_flops,
     prefill_flops,
-    resolve_targets,
     seconds_per_row,
+)
+from dflash.run.layout import (
+    DoesNotFit,
+    Layout,
+    faster_split_barred_by_batch,
+    format_options,
 )
 from dflash.train import run_role
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3_8B = ["target=qwen3_8b", "train=paper", "dry_run=true", "estimate.nproc=8"]
+
+
+def cost(overrides: list[str]) -> Cost:
+    """What one process of these overrides costs each role, at the micro-batch it takes."""
+    return build_job(compose_config(overrides), 1).layout.taken.cost
 
 
 def dry_run(tmp_path, overrides: list[str]) -> subprocess.CompletedProcess:
@@ -72,13 +76,12 @@ def test_a_split_asked_of_the_layout_mode_suits_the_batch():
     the nearest split the batch divides over; colocated with a number of target ranks is
     refused rather than run colocated."""
     job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper",
-                                    "topology.mode=disaggregated"]))
+                                    "topology.mode=disaggregated"]), 8)
     assert job.plan.batch_size == 32
-    assert resolve_targets(job, layout_options(job, 8)) == 4  # by FLOPs 3, whose 5 drafters do not divide 32
-    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper",
-                                    "topology.mode=colocated", "topology.target_ranks=2"]))
+    assert job.layout.targets == 4  # by FLOPs 3, whose 5 drafters do not divide 32
     with pytest.raises(TopologyError, match="topology.target_ranks=2 splits .* drop one of the two"):
-        resolve_targets(job, layout_options(job, 8))
+        build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", "topology.mode=colocated",
+                                  "topology.target_ranks=2"]), 8)
 
 
 def test_bundle_bytes_are_those_of_a_real_bundle():
@@ -89,8 +92,8 @@ def test_bundle_bytes_are_those_of_a_real_bundle():
     batch = random_batch(plan.micro_batch_size, seq_len, vocab, plan.anchor_spec())
     prefill = random_prefill(plan.micro_batch_size, seq_len, plan.feature_dim, torch.float32, plan.topk, vocab, "cpu")
     real = sum(t.numel() * t.element_size() for t in flatten(batch, prefill))
-    assert estimate(job, 1, 0).bundle_bytes == real
-    assert math.isnan(estimate(job, 1, 0).target_rate), "no rate guess for a CPU run"
+    assert job.layout.taken.cost.bundle_bytes == real
+    assert math.isnan(job.layout.taken.cost.target_rate), "no rate guess for a CPU run"
 
 
 def test_evaluation_while_training_is_planned_on_target_rank_0(tmp_path):
@@ -131,9 +134,10 @@ def test_layer_types_are_checked_before_anything_loads():
 def test_a_faster_split_the_batch_does_not_divide_is_named_with_a_batch_that_would():
     """The paper shapes' rates on 8 ranks with 32 micro-batches per step: 3 target / 5
     drafter ranks would beat every split offered, and 35 (or 40) micro-batches allow it."""
-    def option(targets: int) -> Estimate:
-        return Estimate(8, targets, 3, 0, 0, 0, 0, 32, {}, {}, 140.0, 0.0, 0.0, target_rate=14.7, drafter_rate=8.12,
-                        rates_from="")
+    rates = Cost(32, 1, 0, 0, 0, 0, {}, {}, 140.0, 0.0, 0.0, target_rate=14.7, drafter_rate=8.12, rates_from="")
+
+    def option(targets: int) -> Layout:
+        return Layout(8, targets, 3, rates)
 
     offered = [option(t) for t in (0, 4, 6, 7)]
     targets, per_gpu, micro_batches = faster_split_barred_by_batch(offered)
@@ -146,9 +150,8 @@ def test_a_faster_split_the_batch_does_not_divide_is_named_with_a_batch_that_wou
 def test_estimate_device_plans_a_gpu_run_from_a_machine_without_one():
     """On a CPU-only machine a one-rank plan is the CPU run this command would start
     (float32 weights, no rate); ``estimate.device=cuda`` plans the one-GPU run instead."""
-    def planned(device: str | None) -> Estimate:
-        job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", f"estimate.device={device or 'null'}"]))
-        return estimate(job, 1, 0)
+    def planned(device: str | None) -> Cost:
+        return cost(["target=qwen3_8b", "target.path=random", "train=paper", f"estimate.device={device or 'null'}"])
 
     gpu, cpu = planned("cuda"), planned("cpu")
     assert gpu.target_gib["weights"] == pytest.approx(cpu.target_gib["weights"] / 2)
@@ -167,30 +170,29 @@ SWA = ["drafter.layer_types=[sliding_attention,sliding_attention,sliding_attenti
        "drafter.sliding_window=2048"]
 
 
-def long_context_job(max_len: int, anchors: int):
+def long_context(max_len: int, anchors: int) -> list[str]:
     """A GPU plan of Qwen3-8B shapes, packed rows of the synthetic mix, 4 sliding layers and one full."""
-    return build_job(compose_config([*QWEN3_8B_ROWS, *PACKED, "estimate.device=cuda", f"train.max_len={max_len}",
-                                     f"train.num_anchors={anchors}", *SWA]))
+    return [*QWEN3_8B_ROWS, *PACKED, "estimate.device=cuda", f"train.max_len={max_len}", f"train.num_anchors={anchors}",
+            *SWA]
 
 
 # The drafter step's most allocated memory on one H200 plus its AdamW state (7.81 GiB, made
 # after the warmup's peak), Qwen3-8B shapes, packed synthetic rows, 4 sliding layers (window
-# 2,048) and one full, reduce-overhead (BENCHMARKS.md, "The drafter's memory at long context").
+# 2,048) and one full, reduce-overhead (docs/benchmarks/2026-12-02-h200-long-context-memory-rates.md, "The drafter's memory at long context").
 MEASURED_DRAFTER_GIB = {(65536, 5461): 90.95, (32768, 5461): 86.98, (16384, 5461): 84.99, (32768, 2730): 56.62,
                         (8192, 1365): 38.42}
 
 
 @pytest.mark.parametrize(("max_len", "anchors"), list(MEASURED_DRAFTER_GIB))
 def test_the_drafter_ranks_memory_is_planned_within_a_few_percent_above_the_h200s(max_len, anchors):
-    planned = sum(estimate(long_context_job(max_len, anchors), 1, 0).drafter_gib.values())
+    planned = sum(cost(long_context(max_len, anchors)).drafter_gib.values())
     assert 1.0 <= planned / MEASURED_DRAFTER_GIB[max_len, anchors] <= 1.06
 
 
 def test_a_colocated_rank_holds_one_working_set_at_a_time():
     """The prefill's activations are freed before the drafter step starts: a colocated rank
     needs both models' state and the larger working set, not their sum."""
-    job = build_job(compose_config(["target=qwen3_8b", "target.path=random", "train=paper", "estimate.device=cuda"]))
-    e = estimate(job, 1, 0)
+    e = cost(["target=qwen3_8b", "target.path=random", "train=paper", "estimate.device=cuda"])
     state = e.target_gib["weights"] + sum(v for k, v in e.drafter_gib.items() if k != "activations")
     working = max(e.target_gib["activations"], e.drafter_gib["activations"])
     assert sum(e.colocated_gib.values()) == pytest.approx(state + working)
@@ -213,7 +215,7 @@ MEASURED_DRAFTER_STEPS = [([], 1, None, 123.07), (REFERENCE, 4, None, 224.82),
 @pytest.mark.parametrize(("overrides", "micro", "keys", "attention", "ms"), MEASURED_PREFILLS)
 def test_the_planned_prefill_time_is_the_h200s(overrides, micro, keys, attention, ms):
     job = build_job(compose_config(QWEN3_8B_ROWS + overrides))
-    target, _ = meta_models(job)
+    target, _ = meta_models(job.source, job.target_config, job.drafter)
     args = (target, job.plan.max_len, False, list(job.plan.layer_ids), keys)
     planned = micro * seconds_per_row(prefill_flops(*args), prefill_attention_flops(*args), "target", attention)
     assert 1e3 * planned == pytest.approx(ms, rel=0.02)
@@ -222,7 +224,7 @@ def test_the_planned_prefill_time_is_the_h200s(overrides, micro, keys, attention
 @pytest.mark.parametrize(("overrides", "micro", "context", "ms"), MEASURED_DRAFTER_STEPS)
 def test_the_planned_drafter_step_time_is_the_h200s(overrides, micro, context, ms):
     job = build_job(compose_config(QWEN3_8B_ROWS + overrides))
-    _, drafter = meta_models(job)
+    _, drafter = meta_models(job.source, job.target_config, job.drafter)
     vocab = job.target_config.get_text_config().vocab_size
     args = (drafter.config, job.plan.max_len, job.plan.num_anchors)
     flops = drafter_flops(*args, vocab, context)
@@ -240,7 +242,7 @@ MEASURED_FLASH_DRAFTER_STEPS = [([], None, 134.14 / 140.41),
 @pytest.mark.parametrize(("overrides", "context", "ratio"), MEASURED_FLASH_DRAFTER_STEPS)
 def test_the_planned_drafter_step_on_flash_kernels_gains_what_the_h200_measured(overrides, context, ratio):
     job = build_job(compose_config(QWEN3_8B_ROWS + overrides))
-    _, drafter = meta_models(job)
+    _, drafter = meta_models(job.source, job.target_config, job.drafter)
     args = (drafter.config, job.plan.max_len, job.plan.num_anchors)
     flops = drafter_flops(*args, job.target_config.get_text_config().vocab_size, context)
     attention = drafter_attention_flops(*args, context)
@@ -254,9 +256,8 @@ def test_a_plan_for_flash_kernels_predicts_their_rates():
     if torch.cuda.is_available() and flash_unsupported(torch.device("cuda")):
         pytest.skip("this GPU cannot run FlashAttention-4's kernels, so compile.attention=flash is refused here")
 
-    def planned(attention: str) -> Estimate:
-        return estimate(build_job(compose_config([*QWEN3_8B_ROWS, *PACKED, "estimate.device=cuda",
-                                                  f"compile.attention={attention}"])), 1, 0)
+    def planned(attention: str) -> Cost:
+        return cost([*QWEN3_8B_ROWS, *PACKED, "estimate.device=cuda", f"compile.attention={attention}"])
 
     flash, triton = planned("flash"), planned("triton")
     assert flash.target_rate > triton.target_rate and flash.drafter_rate > triton.drafter_rate
@@ -267,9 +268,8 @@ def test_a_plan_that_fits_nowhere_is_refused_for_the_layout_nearest_to_fitting()
     """At 64k with the paper's anchor density no layout of 8 H200s fits: the refusal names
     the drafter rank of a split (152 GiB), not the colocated rank (168 GiB), and the keys
     that shrink a drafter rank."""
-    job = long_context_job(65536, 10922)
     with pytest.raises(DoesNotFit, match=r"a drafter rank needs an estimated 15\d\.\d GiB.*lower train.num_anchors"):
-        fastest_fitting(layout_options(job, 8))
+        build_job(compose_config(long_context(65536, 10922)), 8)
 
 
 # The paper preset planned for one H200 in this process; the reference configuration's shapes
@@ -320,23 +320,25 @@ def test_auto_steps_down_where_8_would_bar_colocated_data_parallel(capsys, overr
     assert "colocated data-parallel      51.4 GiB per rank,  13.84 samples/s per GPU  this run" in plan
 
 
-def test_the_start_builds_the_meta_models_once(capsys, monkeypatch):
+def test_the_start_builds_the_meta_models_once_and_costs_each_micro_batch_once(capsys, monkeypatch):
     """The micro-batch sizes tried, the layouts and the one printed share one pair of
-    meta-device models: a launch plans before any rank starts work."""
-    built = []
-    real = estimate_module.meta_models
-    monkeypatch.setattr(estimate_module, "meta_models", lambda job: built.append(job) or real(job))
+    meta-device models, and each size tried is costed once, whatever the count of splits
+    arranged from it: a launch plans before any rank starts work."""
+    built, costed = [], []
+    real_models, real_costs = build_module.meta_models, layout_module.role_costs
+    monkeypatch.setattr(build_module, "meta_models", lambda *args: built.append(args) or real_models(*args))
+    monkeypatch.setattr(layout_module, "role_costs", lambda *args: costed.append(args[2]) or real_costs(*args))
     plan = printed_plan(capsys, PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + ["estimate.nproc=8"])
     assert "stepped down from 8 to 4" in plan and "colocated data-parallel" in plan
     assert len(built) == 1
+    assert costed == [8, 4, 2, 1]  # the sizes that divide the batch of 32, from the budget's 8 down
 
 
 def test_an_explicit_micro_batch_is_left_as_given(capsys):
     """Where auto would step down to 4 (above), 8 sequences asked for are planned as 8, and
     refused with the key to change."""
     small = PAPER_ON_AN_H200 + REFERENCE_CONFIGURATION + ["estimate.device_gib=60", "train.micro_batch_size=8"]
-    job = build_job(compose_config(small))
-    assert choose_layout(job, 1).job is job
+    assert build_job(compose_config(small)).plan.micro_batch_size == 8
     refused = r"colocated rank needs an estimated 63\.0 GiB.*lower .*train.micro_batch_size"
     with pytest.raises(SystemExit, match=refused):
         printed_plan(capsys, small)

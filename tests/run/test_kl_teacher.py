@@ -19,7 +19,8 @@ import dflash.run.step as step_module
 from dflash.data.bundle import MicroBatch
 from dflash.model.drafter import TargetHead
 from dflash.model.target import PrefillOutput, Target
-from dflash.run.step import DrafterTrainer, ObjectiveConfig
+from dflash.objective.config import ObjectiveConfig
+from dflash.run.step import DrafterTrainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

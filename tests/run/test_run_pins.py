@@ -14,6 +14,7 @@ from runs import RANDOM_TARGET, TINY
 
 from dflash.data.bundle import MicroBatch
 from dflash.model.target import PrefillOutput
+from dflash.objective.config import ObjectiveConfig
 from dflash.objective.loss import default_gamma
 from dflash.run.build import build_job, build_trainer
 from dflash.run.checkpoint import checkpoints, save_checkpoint
@@ -21,7 +22,6 @@ from dflash.run.config import compose_config
 from dflash.run.plan import resolve_plan
 from dflash.run.step import (
     DrafterTrainer,
-    ObjectiveConfig,
     build_optimizer,
     cosine_schedule,
 )
@@ -38,23 +38,22 @@ def test_configured_gamma_reaches_the_plan_and_the_trainer():
     cfg = compose_config(TINY + RANDOM_TARGET + ["loss.gamma=2.5"])
     assert cfg.drafter.block_size == 8 and default_gamma(8) == 4.0  # so 2.5 cannot be the default by chance
     job = build_job(cfg)
-    assert resolve_plan(cfg, job.target_config, job.tokenizer).gamma == 2.5
-    assert job.plan.gamma == 2.5
-    assert job.plan.mask_token_id == 255
-    assert job.plan.objective().gamma == 2.5
+    assert resolve_plan(cfg, job.target_config, job.tokenizer).objective.gamma == 2.5
+    assert job.plan.objective.gamma == 2.5
+    assert job.plan.mask_token_id == job.plan.objective.mask_token_id == 255
     text = job.target_config.get_text_config()
     head = tiny_head(hidden=text.hidden_size, vocab=text.vocab_size)
     assert build_trainer(job, head, steps=10).obj.gamma == 2.5
     unset = build_job(compose_config(TINY + RANDOM_TARGET))
-    assert unset.plan.gamma == 4.0
+    assert unset.plan.objective.gamma == 4.0
 
 
 def test_packing_reaches_the_trainers_mask():
     """``train.packing`` tells the objective that rows hold several samples (each anchor's
     context then stops at its sample's start); without it the mask takes no sample starts."""
     packed = build_job(compose_config(TINY + RANDOM_TARGET + ["train.packing=true", "train.buckets=null"]))
-    assert packed.plan.objective().packed
-    assert not build_job(compose_config(TINY + RANDOM_TARGET)).plan.objective().packed
+    assert packed.plan.objective.packed
+    assert not build_job(compose_config(TINY + RANDOM_TARGET)).plan.objective.packed
 
 
 # the LR schedule -------------------------------------------------------------------------

@@ -11,11 +11,11 @@ from dflash.data.bundle import MicroBatch
 from dflash.model.drafter import FULL, SLIDING
 from dflash.model.target import PrefillOutput
 from dflash.objective.anchors import make_blocks, sample_anchors, sample_generator
+from dflash.objective.config import ObjectiveConfig
 from dflash.objective.masks import build_mask
 from dflash.run.checkpoint import save_checkpoint
 from dflash.run.step import (
     DrafterTrainer,
-    ObjectiveConfig,
     build_optimizer,
     cosine_schedule,
 )
