@@ -3,9 +3,9 @@ target's packed rows (:mod:`dflash.model.target`): ``BlockMask``s built without 
 the choice of kernel every flex call runs (:func:`kernel_options`).
 
 ``create_block_mask`` orders block indices with an argsort, which torch <= 2.12 compiles
-into a Triton sort kernel that took 154 s of the 207 s cold compile at Qwen3-8B shapes
-(docs/benchmarks/2026-11-30-h200-compile-warm-starts-checkpoints.md, "Where the compile time goes"); :func:`ordered_blocks` gives the same
-order from a cumulative sum.
+into a Triton sort kernel that took most of the cold compile at Qwen3-8B shapes
+(docs/benchmarks/2026-11-30-h200-compile-warm-starts-checkpoints.md, "Where the compile
+time goes"); :func:`ordered_blocks` gives the same order from a cumulative sum.
 """
 
 from __future__ import annotations

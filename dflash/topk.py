@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-SEGMENT = 128  # columns per segment (docs/benchmarks/2026-12-02-h200-gradient-fix-confirmed.md, "DFlash2 at block 8: the selector's top-k over segments")
+# columns per segment (docs/benchmarks/2026-12-02-h200-gradient-fix-confirmed.md, "DFlash2 at
+# block 8: the selector's top-k over segments")
+SEGMENT = 128
 
 
 def segment_maxima(x: torch.Tensor, segment: int) -> torch.Tensor:

@@ -14,11 +14,16 @@ A DFlash2 drafter exports as ``DFlash2DraftModel``: the same layout plus
 ``dflash_config``, and the weights of :mod:`dflash.model.selector`
 (``layers.N.attention_conv.*``, ``layers.N.mlp_conv.*``, ``candidate_selector.*``), as
 the released DFlash2 drafters have them (``tests/fixtures/dflash2_reference.json``).
+
+Beside them, ``digests.json`` (:func:`dflash.files.write_digests`) records each file's
+SHA-256, and every loader here refuses an export whose files differ from it; the
+engines ignore the extra file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -26,8 +31,17 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.files import publish, staging_dir
+from dflash.files import (
+    DIGESTS,
+    DamagedFiles,
+    publish,
+    staging_dir,
+    verify_digests,
+    write_digests,
+)
 from dflash.model.drafter import SLIDING, DFlash2Config, DFlashDrafter, DrafterConfig
+
+log = logging.getLogger(__name__)
 
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
@@ -77,15 +91,30 @@ def hf_config(cfg: DrafterConfig, dtype: str) -> dict:
 
 
 def save_export(drafter: DFlashDrafter, out_dir: str | Path, dtype: str = "bfloat16") -> Path:
-    """Write ``config.json`` + ``model.safetensors``; a temp dir renamed at the end
-    so a crash never leaves a half-written export behind."""
+    """Write ``config.json`` + ``model.safetensors`` and, last, their digests; a temp dir
+    renamed at the end so a crash never leaves a half-written export behind."""
     out = Path(out_dir)
     tmp = staging_dir(out)
     tmp.mkdir(parents=True)
     state = {k: v.detach().to(EXPORT_DTYPES[dtype]).contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(hf_config(drafter.config, dtype), indent=2) + "\n")
+    write_digests(tmp)
     return publish(tmp, out)
+
+
+def verify_export(path: Path) -> None:
+    """Refuse an export whose files are not those written, naming the file; one written
+    before exports kept digests (or a released drafter) loads with a warning that it
+    cannot be verified."""
+    try:
+        verified = verify_digests(path)
+    except DamagedFiles as e:
+        raise ValueError(f"the drafter {path} is damaged: {e}; if the change was meant, delete {DIGESTS} there to "
+                         "load it unverified") from None
+    if not verified:
+        log.warning("drafter %s has no digests (a release, or an export from before they were kept), so its files "
+                    "cannot be verified", path)
 
 
 def attention_from_hf(config: dict) -> tuple[list[str] | None, int | None, bool]:
@@ -164,6 +193,7 @@ def drafter_config_from_hf(config: dict) -> DrafterConfig:
 def load_export(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
     """Build a drafter from an export directory (ours or a z-lab checkpoint, DFlash or DFlash2)."""
     path = Path(path)
+    verify_export(path)
     config = json.loads((path / "config.json").read_text())
     try:
         drafter = DFlashDrafter(drafter_config_from_hf(config))
@@ -187,6 +217,7 @@ def init_from(drafter: DFlashDrafter, path: str | Path) -> None:
     token and variant, and no embedding or logit transform. Block size and attention may
     differ: they shape no weight."""
     path = Path(path)
+    verify_export(path)
     theirs = drafter_config_from_hf(json.loads((path / "config.json").read_text()))
     if theirs.transforms:
         raise ValueError(f"drafter.init_from={path} transforms its embeddings or logits ({theirs.transforms}); "
@@ -229,11 +260,13 @@ def unknown_fields(config: Mapping) -> list[str]:
 
 def check_drafter_config(path: str | Path) -> dict:
     """A drafter directory's ``config.json``, refused with the reason when it is not a
-    DFlash layout this decoding runs: no config, or fields it would ignore."""
+    DFlash layout this decoding runs: no config, files that differ from their digests,
+    or fields it would ignore. Commands call it before the target loads."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path}: no config.json; --drafter takes a drafter directory in the z-lab layout "
                          "(config.json + model.safetensors)")
+    verify_export(Path(path))
     config = json.loads(config_path.read_text())
     unknown = unknown_fields(config)
     if unknown:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from dflash.files import local_path
 from dflash.flex import kernel_options, packed_causal_block_mask
 from dflash.model.drafter import TargetHead
 from dflash.topk import top_k_of_rows
+
+log = logging.getLogger(__name__)
 
 MASK_TOKEN_CANDIDATES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")
 
@@ -63,25 +66,48 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, configured: int | None) -> int:
-    """The mask id must be a row of the target embedding, or the drafter sees garbage."""
-    if configured is None and tokenizer is None:
+ROLE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def unused_special_tokens(tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, str]]:
+    """The special tokens of ``tokenizer`` that a chat neither writes nor reads, in id order:
+    added as special, none of its named roles (bos, eos, unk, pad, ...), and not in its chat
+    template. Such a row of the embedding is what a drafter's mask token may take: nothing
+    the target sees in a chat trained it, and no reply ever holds it."""
+    named = {getattr(tokenizer, f"{role}_id", None) for role in ROLE_TOKENS}
+    template = getattr(tokenizer, "chat_template", None)
+    template = template if isinstance(template, str) else json.dumps(template or "")
+    added = sorted(getattr(tokenizer, "added_tokens_decoder", {}).items())
+    return [(i, token.content) for i, token in added
+            if token.special and i not in named and token.content not in template]
+
+
+def resolve_mask_token_id(tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
+                          configured: int | str | None) -> int:
+    """The mask id must be a row of the target embedding, or the drafter sees garbage.
+    ``None``: the tokenizer's mask token; ``auto``: that, else the first of its
+    :func:`unused_special_tokens`."""
+    if configured in (None, "auto") and tokenizer is None:
         raise ValueError(f"a target without a tokenizer needs target.mask_token_id (0 <= id < {vocab_size})")
-    if configured is None:
-        for tok in MASK_TOKEN_CANDIDATES:
-            tid = tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
-                configured = tid
-                break
-        else:
-            raise ValueError(
-                "the tokenizer has no mask token; set target.mask_token_id to a reserved id "
-                f"inside the embedding (0 <= id < {vocab_size}), e.g. 151669 for Qwen3"
-            )
-    if not 0 <= configured < vocab_size:
-        raise ValueError(
-            f"target.mask_token_id={configured} is outside the target embedding (vocab_size={vocab_size})"
-        )
+    if configured in (None, "auto"):
+        found = next((tid for tok in MASK_TOKEN_CANDIDATES
+                      if isinstance(tid := tokenizer.convert_tokens_to_ids(tok), int)
+                      and tid != tokenizer.unk_token_id and tid >= 0), None)
+        unused = [] if found is not None else [(i, t) for i, t in unused_special_tokens(tokenizer) if i < vocab_size]
+        if found is None and configured == "auto" and unused:
+            found = unused[0][0]
+            log.info("target.mask_token_id=auto: id %d (%s), the first special token a chat does not use", found,
+                     unused[0][1])
+        if found is None:
+            proposal = (f"unused special tokens it has: {', '.join(f'{i} {t}' for i, t in unused[:8])}"
+                        f"{' ...' if len(unused) > 8 else ''}; target.mask_token_id=auto takes the first"
+                        if unused else "it has no unused special token either")
+            raise ValueError(f"the tokenizer has no mask token ({proposal}); set target.mask_token_id to a reserved "
+                             f"id inside the embedding (0 <= id < {vocab_size}), e.g. 151669 for Qwen3")
+        configured = found
+    if not isinstance(configured, int) or not 0 <= configured < vocab_size:
+        raise ValueError(f"target.mask_token_id={configured} is outside the target embedding "
+                         f"(vocab_size={vocab_size}); give an id, or auto")
     return configured
 
 

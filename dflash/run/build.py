@@ -330,8 +330,9 @@ class DrafterSide:
 
 def resume_step(settings: RunSettings, trainer: DrafterTrainer, group=None) -> int:
     """Load the newest readable checkpoint (``resume``) and return its step; 0 for none.
-    Under ``resume=auto`` a checkpoint that is incomplete or unreadable is skipped
-    with a warning, falling back to the one before."""
+    Under ``resume=auto`` a checkpoint that is damaged (its files differ from their
+    digests), incomplete or unreadable is skipped with a warning that names the file and
+    why, falling back to the one before; a checkpoint named by ``resume`` is refused."""
     root = settings.run_dir.checkpoints
     candidates = resume_candidates(settings.resume, root)
     for i, path in enumerate(candidates):
@@ -340,6 +341,8 @@ def resume_step(settings: RunSettings, trainer: DrafterTrainer, group=None) -> i
         except CheckpointMismatch:
             raise  # an older checkpoint of the same run is of the same other drafter
         except Exception as e:  # noqa: BLE001 - any unreadable checkpoint falls back alike
+            if settings.resume != "auto":
+                raise RuntimeError(f"resume={settings.resume} is refused: {e}") from e
             if i + 1 == len(candidates):
                 raise RuntimeError(
                     f"no readable checkpoint under {root} (last tried {path}: {e}); resume=never starts over"

@@ -2,8 +2,10 @@
 
 Training is a pure function of (seed, step): the data order comes from the
 seeded schedule and anchors from per-sample generators, so this state is all
-that exact resume needs. Each checkpoint is written under a temporary name and
-renamed when complete; a crash mid-save leaves the previous one intact.
+that exact resume needs. Each checkpoint is written under a temporary name, with the
+digests of its files written last, and renamed when complete; a crash or a failed
+write leaves the previous one intact. A checkpoint is loaded only once its files
+match their digests.
 
 The drafter's state is the same on every rank of its group, so the group's first
 rank alone writes it, as one process would (DCP loads it on any number of ranks).
@@ -33,7 +35,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from dflash.files import publish, staging_dir
+from dflash.files import (
+    DamagedFiles,
+    publish,
+    staging_dir,
+    verify_digests,
+    write_digests,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +198,18 @@ def write_checkpoint(root: Path, state: dict, keep: int, drafter: dict | None = 
     with the ``drafter`` config it belongs to, then keep the newest ``keep``."""
     final = step_dir(root, state["step"])
     tmp = staging_dir(final)
-    with dcp_errors(lambda why: OSError(f"writing the checkpoint {final} failed: {why}")):
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-    if drafter is not None:
-        (tmp / ARCHITECTURE).write_text(json.dumps(drafter, indent=1, sort_keys=True))
-    publish(tmp, final)
+    try:
+        with dcp_errors(lambda why: OSError(f"writing the checkpoint {final} failed: {why}")):
+            dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        if drafter is not None:
+            (tmp / ARCHITECTURE).write_text(json.dumps(drafter, indent=1, sort_keys=True))
+        write_digests(tmp)
+        publish(tmp, final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # what was written of it takes the disk the next save needs
+        if str(e).startswith("writing the checkpoint"):
+            raise
+        raise OSError(f"writing the checkpoint {final} failed: {e}") from e
     for old in checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     log.info("saved checkpoint %s", final)
@@ -315,7 +330,20 @@ class CheckpointWriter:
 
 
 class UnreadableCheckpoint(RuntimeError):
-    """A checkpoint directory that DCP cannot load (incomplete, truncated, or not one)."""
+    """A checkpoint directory that cannot be loaded: its files differ from their digests,
+    or DCP cannot read it (incomplete, truncated, or not one)."""
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Refuse a checkpoint whose files are not those written, naming the file; one written
+    before checkpoints kept digests loads with a warning that it cannot be verified."""
+    try:
+        verified = verify_digests(path)
+    except DamagedFiles as e:
+        raise UnreadableCheckpoint(f"{path} is damaged: {e}") from None
+    if not verified:
+        log.warning("checkpoint %s has no digests (written before they were kept), so its files cannot be verified",
+                    path)
 
 
 def load_checkpoint(
@@ -325,7 +353,9 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     group=None,
 ) -> int:
-    """Restore in place; returns the step the checkpoint was taken after."""
+    """Restore in place, once the files match their digests; returns the step the
+    checkpoint was taken after."""
+    verify_checkpoint(path)
     check_architecture(path, model)
     state = state_of(model, optimizer, scheduler, 0)
     with dcp_errors(lambda why: UnreadableCheckpoint(f"{path}: {why}")):

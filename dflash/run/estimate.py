@@ -26,13 +26,13 @@ from dflash.run.plan import Plan
 from dflash.run.settings import GIB, LayoutSettings
 
 # Rates on one H200 at the Qwen3-8B shapes, fitted to the bench's rows from 768 to 32k tokens
-# (docs/benchmarks/2026-12-02-h200-long-context-memory-rates.md; each row within 0.1%): each role's matmuls at a share of the
-# peak, and its attention, whose kernels run slower, per visible (query, key) pair at a rate of its
-# own: SDPA's causal kernel for rows of one sample, flex attention for packed rows, and the
-# drafter's flex attention forward and backward. Flex attention on FlashAttention-4's kernels
-# (`compile.attention=flash`) has rates of its own, fitted to the same rows run both ways on one
-# H200 (docs/benchmarks/2026-12-03-h200-flash-attention-4.md). Other shapes follow from their FLOPs at these rates,
-# unless a `dflash.bench` report is given.
+# (docs/benchmarks/2026-12-02-h200-long-context-memory-rates.md; each row within 0.1%): each
+# role's matmuls at a share of the peak, and its attention, whose kernels run slower, per visible
+# (query, key) pair at a rate of its own: SDPA's causal kernel for rows of one sample, flex
+# attention for packed rows, and the drafter's flex attention forward and backward. Flex attention
+# on FlashAttention-4's kernels (`compile.attention=flash`) has rates of its own, fitted to the
+# same rows run both ways on one H200 (docs/benchmarks/2026-12-03-h200-flash-attention-4.md).
+# Other shapes follow from their FLOPs at these rates, unless a `dflash.bench` report is given.
 MATMUL_MFU = {"target": 0.808, "drafter": 0.777}
 ATTENTION_FLOPS = {"causal": 537e12, "packed": 312e12, "drafter": 247e12,
                    "packed flash": 412e12, "drafter flash": 419e12}

@@ -11,6 +11,7 @@ from helpers import tiny_drafter, tiny_target, word_tokenizer
 
 from dflash.decode.evaluate import evaluate_datasets
 from dflash.decode.speculative import DecodeSettings
+from dflash.files import write_digests
 from dflash.model.drafter import TargetHead
 from dflash.model.export import save_export
 
@@ -25,6 +26,7 @@ def export_with_mask_id(tmp_path, mask_id: int):
     config = json.loads((out / "config.json").read_text())
     config["dflash_config"]["mask_token_id"] = mask_id
     (out / "config.json").write_text(json.dumps(config))
+    write_digests(out)  # an export written so, not one changed after it was written
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"conversations": [{"role": "user", "content": "w1 w2"}]}) + "\n")
     return out, prompts

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -48,6 +49,65 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(straight, 
     with caplog.at_level(logging.WARNING):
         run_colocated(tmp_path, STEPS)
     assert "step_00000006 is unreadable" in caplog.text
+    assert [m["loss"] for m in read_metrics(tmp_path)] == pytest.approx(straight, rel=1e-6, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run of 8 steps with checkpoints at 4 and 8, to copy and damage."""
+    out = tmp_path_factory.mktemp("finished")
+    run_colocated(out, STEPS)
+    return out
+
+
+def damage(checkpoint, how: str) -> str:
+    """Damage a checkpoint as a bad disk or a careless hand would; what the refusal names."""
+    shard = next(p for p in checkpoint.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    if how == "changed":
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        return rf"{shard.name}: bytes \d+-\d+ differ from what was written"
+    if how == "truncated":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+        return rf"{shard.name}: truncated"
+    (checkpoint / "drafter.json").unlink()
+    return r"drafter.json: missing"
+
+
+@pytest.mark.parametrize("how", ["changed", "truncated", "missing"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_naming_the_file(straight, finished, tmp_path,
+                                                                                     caplog, how):
+    """A shard changed or cut after it was written, or a file of it gone, is found before
+    anything loads: resume=auto names the file and why, and resumes from the one before."""
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
+    shutil.rmtree(tmp_path / "export")
+    said = damage(tmp_path / "checkpoints" / "step_00000008", how)
+    with caplog.at_level(logging.WARNING):
+        run_colocated(tmp_path, STEPS)
+    assert "step_00000008 is unreadable" in caplog.text and "falling back to" in caplog.text
+    assert re.search(said, caplog.text), caplog.text[-2000:]
+    assert starts(tmp_path) == [0, 4]
+    assert [m["loss"] for m in read_metrics(tmp_path)] == pytest.approx(straight, rel=1e-6, abs=1e-6)
+
+
+def test_a_damaged_checkpoint_named_to_resume_from_is_refused(finished, tmp_path):
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
+    named = tmp_path / "checkpoints" / "step_00000004"
+    said = damage(named, "changed")
+    with pytest.raises(RuntimeError, match=rf"resume={named} is refused: .*{said}"):
+        run_colocated(tmp_path, [*STEPS, f"resume={named}"])
+
+
+def test_a_checkpoint_without_digests_resumes_with_a_warning(straight, finished, tmp_path, caplog):
+    """Checkpoints written before digests were kept still resume: they cannot be verified."""
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
+    forget_after_step_4(tmp_path)
+    (tmp_path / "checkpoints" / "step_00000004" / "digests.json").unlink()
+    with caplog.at_level(logging.WARNING):
+        run_colocated(tmp_path, STEPS)
+    assert "step_00000004 has no digests" in caplog.text and "cannot be verified" in caplog.text
+    assert starts(tmp_path) == [0, 4]
     assert [m["loss"] for m in read_metrics(tmp_path)] == pytest.approx(straight, rel=1e-6, abs=1e-6)
 
 

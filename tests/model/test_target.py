@@ -172,3 +172,29 @@ def test_prepared_masks_give_the_features_of_the_masks_the_decoder_builds():
     assert prepared_causal_masks(llama) is None
     model.config._attn_implementation = "eager"
     assert prepared_causal_masks(model) is None
+
+
+def test_a_tokenizer_without_a_mask_token_is_offered_its_unused_special_tokens(monkeypatch):
+    """The demo tokenizer without its mask token (as SmolLM2's has none): the refusal names
+    the special tokens no chat uses (not its end-of-turn, unknown or template tokens), and
+    ``auto`` takes the first of them."""
+    from transformers import AutoTokenizer
+
+    import dflash.model.target as target_module
+    from dflash.files import local_path
+    from dflash.model.target import unused_special_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(local_path("target", "demo"))
+    unused = unused_special_tokens(tokenizer)
+    assert [i for i, _ in unused] == [401, 402, 403, 404, 405, 406, 407]  # <|reserved_N|>; <|MASK|> has a role
+    assert tokenizer.eos_token_id not in dict(unused) and tokenizer.unk_token_id not in dict(unused)
+    assert all(t not in tokenizer.chat_template for _, t in unused)
+    monkeypatch.setattr(target_module, "MASK_TOKEN_CANDIDATES", ())
+    with pytest.raises(ValueError, match=r"no mask token \(unused special tokens it has: 401 <\|reserved_0\|>, "
+                                         r"402 <\|reserved_1\|>.*target.mask_token_id=auto takes the first\)"):
+        resolve_mask_token_id(tokenizer, len(tokenizer), None)
+    assert resolve_mask_token_id(tokenizer, len(tokenizer), "auto") == 401
+    with pytest.raises(ValueError, match="no unused special token either"):
+        resolve_mask_token_id(tokenizer, 300, "auto")  # only rows inside the embedding count
+    with pytest.raises(ValueError, match="no unused special token either"):
+        resolve_mask_token_id(_Tok({}), 10, "auto")
