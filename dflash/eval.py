@@ -38,7 +38,7 @@ from dflash.decode.public_sets import (
 )
 from dflash.decode.speculative import DecodeSettings
 from dflash.model.drafter import TargetHead
-from dflash.model.export import check_drafter_config, load_export
+from dflash.model.export import load_export
 from dflash.model.target import TargetSource
 
 
@@ -105,14 +105,13 @@ def score_sets(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     """``--sets``: the public sets as z-lab's harness builds them; the report is
     ``eval.json``'s with the harness settings it was measured under."""
     sets = parse_sets(args.sets, args.sets_dir)
-    check_drafter_config(args.drafter)  # a drafter this decoding cannot run fails before the target loads
+    drafter = load_export(args.drafter, device, dtype)  # a drafter this decoding cannot run fails before the target
     settings = HarnessSettings(max_new_tokens=args.max_new_tokens or 2048, temperature=args.temperature[0],
                                enable_thinking=args.enable_thinking, max_samples=args.max_samples,
                                sample_seed=args.sample_seed, seed=args.seed, block_size=args.block_size,
                                batch_size=args.batch_size)
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
-    drafter = load_export(args.drafter, device, dtype)
     results = evaluate_sets(target_model, tokenizer, drafter, head, sets, settings,
                             GreedyBaselines(out.with_name(BASELINE_FILE)))
     taus = [r["tau"] for r in results.values() if r["tau"] is not None]
@@ -152,14 +151,14 @@ def data(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, out
     datasets = dict(entry.split("=", 1) if "=" in entry else (Path(entry).stem, entry) for entry in args.data)
     for path in datasets.values():  # a wrong path fails before the target loads
         load_prompts(path, 1, key="--data")
-    check_drafter_config(args.drafter)
+    drafter = load_export(args.drafter, device, dtype)  # a drafter this decoding cannot run fails before the target
     target_model, tokenizer = TargetSource(args.target, args.trust_remote_code).load(device, dtype)
     head = TargetHead.of(target_model)
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens or 256, max_prompts=args.max_prompts,
                               temperatures=args.temperature, seed=args.seed, block_size=args.block_size,
                               template_kwargs=args.chat_template_kwargs, batch_size=args.batch_size)
-    return evaluate_datasets(target_model, tokenizer, args.drafter, head, datasets=datasets, out_path=out,
-                             settings=settings, target_name=args.target)
+    return evaluate_datasets(target_model, tokenizer, drafter, head, drafter_dir=args.drafter, datasets=datasets,
+                             out_path=out, settings=settings, target_name=args.target)
 
 
 if __name__ == "__main__":

@@ -56,14 +56,14 @@ def dry_run(cfg: DictConfig) -> dict:
     except (TopologyError, DoesNotFit) as e:
         raise SystemExit(f"dry run: the plan is refused: {e}") from None
     if int(os.environ.get("RANK", 0)) == 0:
-        print(describe(job, several=job.layout.taken.world_size > 1), flush=True)
+        print(describe(job), flush=True)
     return {"dry_run": True}
 
 
-def describe(job: Job, several: bool) -> str:
-    """The layout's cost, and with ``several`` ranks the layouts open to it."""
+def describe(job: Job) -> str:
+    """The layout's cost, and on several ranks the layouts open to it."""
     text = format_layout(job.layout_settings, job.plan, job.layout)
-    if several:
+    if job.layout.taken.world_size > 1:
         text += "\n" + format_options(job.layout.options, job.layout.targets, job.plan.micro_batch_size,
                                       job.plan.packing)
     return text
@@ -89,7 +89,7 @@ def run_role(cfg: DictConfig) -> dict:
     topo = build_topology(job, job.layout.targets)
     setup_logging(topo)
     if topo is None or topo.rank == topo.metrics_rank:
-        log.info("%s", describe(job, several=topo is not None))
+        log.info("%s", describe(job))
         try:
             check_fits(job.layout.taken)
         except DoesNotFit as e:

@@ -47,7 +47,6 @@ from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.batch import baseline_steps, speculative_batch_steps
 from dflash.decode.speculative import DecodeSettings, run_to_end
 from dflash.model.drafter import DFlashDrafter, TargetHead
-from dflash.model.export import load_export
 
 log = logging.getLogger(__name__)
 
@@ -226,9 +225,10 @@ def evaluate(*args, **kwargs) -> dict:
 def evaluate_datasets(
     target_model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
-    drafter_dir: str | Path,
+    drafter: DFlashDrafter,
     head: TargetHead,
     *,
+    drafter_dir: str | Path,
     datasets: dict[str, str],
     out_path: str | Path,
     settings: DecodeSettings,
@@ -237,13 +237,13 @@ def evaluate_datasets(
     """Evaluate the export on every dataset (name: path) at every temperature of
     ``settings``, write the report to ``out_path``, return it.
 
-    The drafter is loaded from its export directory, so what is measured is the
-    artefact a serving engine would load, not the in-memory training copy. The plain
+    ``drafter`` is the export loaded from ``drafter_dir`` (:func:`load_export`, in the
+    target's device and dtype), so what is measured is the artefact a serving engine
+    would load, not the in-memory training copy. The plain
     greedy outputs are kept in ``greedy_baseline.json`` beside the report
     (:mod:`dflash.decode.baseline`): the run's evaluations while training and any later
     evaluation against the same target reuse them.
     """
-    drafter = load_export(drafter_dir, head.embed_weight.device, head.embed_weight.dtype)
     baselines = GreedyBaselines(Path(out_path).with_name(BASELINE_FILE))
     temperatures = settings.temperatures
     results = {}

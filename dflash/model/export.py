@@ -191,10 +191,10 @@ def drafter_config_from_hf(config: dict) -> DrafterConfig:
 
 
 def load_export(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
-    """Build a drafter from an export directory (ours or a z-lab checkpoint, DFlash or DFlash2)."""
+    """Build a drafter from an export directory (ours or a z-lab checkpoint, DFlash or
+    DFlash2), once :func:`check_drafter_config` has passed it."""
     path = Path(path)
-    verify_export(path)
-    config = json.loads((path / "config.json").read_text())
+    config = check_drafter_config(path)
     try:
         drafter = DFlashDrafter(drafter_config_from_hf(config))
     except ValueError as e:
@@ -261,7 +261,7 @@ def unknown_fields(config: Mapping) -> list[str]:
 def check_drafter_config(path: str | Path) -> dict:
     """A drafter directory's ``config.json``, refused with the reason when it is not a
     DFlash layout this decoding runs: no config, files that differ from their digests,
-    or fields it would ignore. Commands call it before the target loads."""
+    or fields it would ignore."""
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{path}: no config.json; --drafter takes a drafter directory in the z-lab layout "

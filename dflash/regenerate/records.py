@@ -3,13 +3,10 @@ replies as they come back, how they are sampled, and the records of one rank's w
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dflash.data.records import BadRecord, conversation_turns, iter_records, parse_turn
-
-log = logging.getLogger("dflash.regenerate")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -12,8 +11,6 @@ import requests
 
 from dflash.regenerate.records import Conversation, Reply, Sampling, Work
 from dflash.regenerate.shards import Progress, ShardWriter
-
-log = logging.getLogger("dflash.regenerate")
 
 REQUEST_TIMEOUT_S = 3600.0  # one long reply from a busy server
 RETRIES = 5  # attempts per request on connection errors, timeouts, 5xx and 429

@@ -199,7 +199,7 @@ def write_checkpoint(root: Path, state: dict, keep: int, drafter: dict | None = 
     final = step_dir(root, state["step"])
     tmp = staging_dir(final)
     try:
-        with dcp_errors(lambda why: OSError(f"writing the checkpoint {final} failed: {why}")):
+        with dcp_errors(OSError):
             dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
         if drafter is not None:
             (tmp / ARCHITECTURE).write_text(json.dumps(drafter, indent=1, sort_keys=True))
@@ -207,8 +207,6 @@ def write_checkpoint(root: Path, state: dict, keep: int, drafter: dict | None = 
         publish(tmp, final)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)  # what was written of it takes the disk the next save needs
-        if str(e).startswith("writing the checkpoint"):
-            raise
         raise OSError(f"writing the checkpoint {final} failed: {e}") from e
     for old in checkpoints(root)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)

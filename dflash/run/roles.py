@@ -43,7 +43,7 @@ from dflash.distributed.transport import (
     BundleSender,
     PipelineCounters,
 )
-from dflash.model.export import save_export
+from dflash.model.export import load_export, save_export
 from dflash.run import garbage
 from dflash.run.build import (
     Job,
@@ -88,9 +88,12 @@ def evaluate_export(settings: RunSettings, side: TargetSide, export_dir: Path) -
     """Speculative decoding with the exported drafter on held-out prompts."""
     side.target.uncompile()
     held_out, report_path = settings.export_eval, settings.run_dir.eval_report
+    head = side.target.head()
+    drafter = load_export(export_dir, head.embed_weight.device, head.embed_weight.dtype)
     report = evaluate_datasets(
-        side.target.model, side.tokenizer, export_dir, side.target.head(), datasets={"heldout": held_out.prompts_path},
-        out_path=report_path, target_name=settings.target_name, settings=held_out.decode,
+        side.target.model, side.tokenizer, drafter, head, drafter_dir=export_dir,
+        datasets={"heldout": held_out.prompts_path}, out_path=report_path, target_name=settings.target_name,
+        settings=held_out.decode,
     )
     log.info("speculative decoding with the export (%s):\n%s", report_path, format_table(report))
     return report

@@ -13,7 +13,7 @@ from dflash.decode.evaluate import evaluate_datasets
 from dflash.decode.speculative import DecodeSettings
 from dflash.files import write_digests
 from dflash.model.drafter import TargetHead
-from dflash.model.export import save_export
+from dflash.model.export import load_export, save_export
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,7 +49,9 @@ def test_eval_refuses_a_mask_id_outside_the_target_vocab(tmp_path, mask_id):
     export, prompts = export_with_mask_id(tmp_path, mask_id)
     out = tmp_path / "eval.json"
     with pytest.raises(ValueError) as err:
-        evaluate_datasets(model, NoTokenizer(), export, head, datasets={"p": str(prompts)}, out_path=out, settings=BUDGET)
+        drafter = load_export(export, head.embed_weight.device, head.embed_weight.dtype)
+        evaluate_datasets(model, NoTokenizer(), drafter, head, drafter_dir=export, datasets={"p": str(prompts)},
+                          out_path=out, settings=BUDGET)
     message = str(err.value)
     assert "mask" in message.lower() and str(mask_id) in message, message
     assert "vocab" in message.lower() and str(VOCAB) in message, message
@@ -61,7 +63,8 @@ def test_the_last_row_of_the_vocab_is_accepted(tmp_path):
     model = tiny_target(vocab=VOCAB)
     head = TargetHead.of(model)
     export, prompts = export_with_mask_id(tmp_path, VOCAB - 1)
-    report = evaluate_datasets(model, word_tokenizer(VOCAB), export, head, datasets={"p": str(prompts)},
-                               out_path=tmp_path / "eval.json", settings=BUDGET)
+    drafter = load_export(export, head.embed_weight.device, head.embed_weight.dtype)
+    report = evaluate_datasets(model, word_tokenizer(VOCAB), drafter, head, drafter_dir=export,
+                               datasets={"p": str(prompts)}, out_path=tmp_path / "eval.json", settings=BUDGET)
     assert report["results"]["p"]["prompts"] == 1
     assert torch.isfinite(torch.tensor(report["tau"]))

@@ -95,23 +95,20 @@ def test_perfect_drafter_reports_tau_equal_to_the_block_size(target):
     assert report["histogram"] == hist and hist[str(B)] >= 3
 
 
-def test_report_averages_per_response_then_over_responses_and_datasets(target, tmp_path, monkeypatch):
+def test_report_averages_per_response_then_over_responses_and_datasets(target, tmp_path):
     """Through evaluate_datasets, which writes eval.json: dataset "perfect" has tau B,
     dataset "mixed" (one perfect, one always-wrong response) (B + 1) / 2, and the
     report's headline tau is the mean of the two."""
-    import dflash.decode.evaluate as eval_module
-
     tokenizer = word_tokenizer(VOCAB)
     perfect = {1: True, 2: True, 3: True, 4: False}
     drafter = oracle(target, tokenizer, perfect)
-    monkeypatch.setattr(eval_module, "load_export", lambda *args, **kwargs: drafter)
     for name, ids in (("perfect", [1, 2]), ("mixed", [3, 4])):
         lines = [json.dumps({"conversations": conversation(i)}) for i in ids]
         (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     datasets = {name: str(tmp_path / f"{name}.jsonl") for name in ("perfect", "mixed")}
     out = tmp_path / "eval.json"
-    evaluate_datasets(target, tokenizer, tmp_path / "export", OneHotHead(VOCAB), datasets=datasets, out_path=out,
-                      settings=DecodeSettings(max_new_tokens=MAX_NEW, max_prompts=8))
+    evaluate_datasets(target, tokenizer, drafter, OneHotHead(VOCAB), drafter_dir=tmp_path / "export", datasets=datasets,
+                      out_path=out, settings=DecodeSettings(max_new_tokens=MAX_NEW, max_prompts=8))
 
     report = json.loads(out.read_text())
     assert report["results"]["perfect"]["tau"] == float(B)
