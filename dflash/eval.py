@@ -36,7 +36,7 @@ from dflash.decode.public_sets import (
     harness_record,
     parse_sets,
 )
-from dflash.decode.speculative import DecodeSettings
+from dflash.decode.speculative import TAU_COUNT, DecodeSettings
 from dflash.model.drafter import TargetHead
 from dflash.model.export import load_export
 from dflash.model.target import TargetSource
@@ -118,7 +118,7 @@ def score_sets(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
     greedy = [r["lossless"] for r in results.values() if r["lossless"] is not None]
     report = {
         "target": args.target, "drafter": str(args.drafter),
-        "block_size": args.block_size or drafter.config.block_size,
+        "block_size": args.block_size or drafter.config.block_size, "tau_count": TAU_COUNT,
         "tau": sum(taus) / len(taus) if taus else None, "lossless": all(greedy) if greedy else None,
         "harness": harness_record(settings), "results": results,
     }

@@ -55,7 +55,8 @@ def acceptance_by_hand(greedy: list[int], proposals: list[int], block: int, max_
     stopped (``"draft"``, ``"bonus"`` or ``None`` for the budget). ``greedy[k]`` is the
     target's k-th new token (0 from the prefill), ``proposals[k]`` the draft proposed for
     it. A cycle keeps the drafts that match and adds one bonus; the cycles end at the
-    budget or with the cycle that added the first stop token, draft or bonus."""
+    budget or with the cycle that added the first stop token, draft or bonus, and that
+    last cycle counts its tokens up to and with the stop (z-lab's harness)."""
     if greedy[0] in eos_ids:
         return [], "bonus"
     k, lengths = 1, []
@@ -63,8 +64,8 @@ def acceptance_by_hand(greedy: list[int], proposals: list[int], block: int, max_
         n = 0
         while n < block - 1 and proposals[k + n] == greedy[k + n]:
             n += 1
-        lengths.append(n + 1)
         stops = [i for i in range(n + 1) if greedy[k + i] in eos_ids]
+        lengths.append(stops[0] + 1 if stops else n + 1)
         if stops:
             return lengths, "draft" if stops[0] < n else "bonus"
         k += n + 1

@@ -44,6 +44,7 @@ from dflash.decode.slots import SlotCache, slot_cache
 from dflash.decode.speculative import (
     accept,
     croppable,
+    cycle_length,
     drafter_context,
     greedy_steps,
     speculative_steps,
@@ -330,7 +331,7 @@ def speculative_batch_steps(
             new = drafted[i][: n[i]] + [bonus[i]]
             r.tokens += new
             r.p += n[i] + 1
-            r.lengths.append(n[i] + 1)
+            r.lengths.append(cycle_length(new, eos_ids))
             over.append(finished(r, new, max_new_tokens, eos_ids))
         yield "drafting cycle"
         record(retire(rows, cache, over, free))

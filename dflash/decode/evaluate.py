@@ -10,12 +10,15 @@ export directory)::
 
     {
       "target": str, "drafter": str, "block_size": int,
+      "tau_count": str,           # how a cycle is counted (dflash.decode.speculative.TAU_COUNT)
       "tau": float | null,        # mean of the results' tau at the first temperature
       "lossless": bool | null,    # every greedy result lossless; null without a greedy run
       "results": {
         "<dataset>": {            # "<dataset>@<T>" when several temperatures are given
           "dataset": str, "temperature": float,
           "tau": float | null,    # null when no response needed a drafting cycle
+          "capped": int,          # responses that reached max_new_tokens without a stop token
+          "tau_uncapped": float | null,              # tau of the others
           "histogram": {"1": int, ..., "<B>": int},  # cycles per acceptance length
           "lossless": bool | null,                   # null at temperature > 0
           "divergences": [{"prompt": int, "token": int, "margin": float}] | null,
@@ -45,7 +48,7 @@ from dflash.data import template
 from dflash.data.records import BadRecord, conversation_turns, iter_records, parse_turn
 from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.batch import baseline_steps, speculative_batch_steps
-from dflash.decode.speculative import DecodeSettings, run_to_end
+from dflash.decode.speculative import TAU_COUNT, DecodeSettings, run_to_end
 from dflash.model.drafter import DFlashDrafter, TargetHead
 
 log = logging.getLogger(__name__)
@@ -148,6 +151,18 @@ def tau(acceptance: list[list[int]]) -> float | None:
     return sum(per_response) / len(per_response) if per_response else None
 
 
+def at_budget(tokens: list[int], max_new_tokens: int, eos_ids) -> bool:
+    """A response that ran to the token budget without its stop token: often a loop a
+    135M-class model falls into, which any predictor of text drafts almost perfectly."""
+    return len(tokens) >= max_new_tokens and template.end_of_reply(tokens, eos_ids) is None
+
+
+def budget_split(acceptance: list[list[int]], capped: list[bool]) -> dict:
+    """How many responses hit the budget, and tau without them, so a mean inflated by
+    degenerate repetition can be told from one that is not."""
+    return {"capped": sum(capped), "tau_uncapped": tau([a for a, c in zip(acceptance, capped) if not c])}
+
+
 def evaluate_steps(
     target_model: nn.Module,
     tokenizer: PreTrainedTokenizerBase,
@@ -206,6 +221,7 @@ def evaluate_steps(
     return {
         "temperature": temperature,
         "tau": tau(acceptance),
+        **budget_split(acceptance, [at_budget(t, max_new_tokens, eos_ids) for t in outputs]),
         "histogram": {str(k): cycles.count(k) for k in range(1, block_size + 1)},
         "lossless": lossless,
         "divergences": divergences,
@@ -264,6 +280,7 @@ def evaluate_datasets(
         "target": target_name or str(getattr(target_model.config, "name_or_path", "")),
         "drafter": str(drafter_dir),
         "block_size": settings.block_size or drafter.config.block_size,
+        "tau_count": TAU_COUNT,
         "tau": sum(first) / len(first) if first else None,
         "lossless": all(greedy) if greedy else None,
         "results": results,
@@ -283,13 +300,15 @@ def describe_divergences(divergences: list[dict], prompts: int) -> str:
 
 
 def format_table(report: dict) -> str:
-    rows = [f"{'dataset':<24} {'T':>4} {'prompts':>7} {'tokens':>7} {'tau':>6} {'lossless':>10} {'tok/s':>8}"]
+    """The report as a table; ``capped`` counts responses that ran to the budget, and
+    ``tau*`` is tau without them."""
+    rows = [f"{'dataset':<24} {'T':>4} {'prompts':>7} {'tokens':>7} {'tau':>6} {'capped':>6} {'tau*':>6} "
+            f"{'lossless':>10} {'tok/s':>8}"]
     for key, r in report["results"].items():
-        tau_s = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        tau_s, uncapped = (f"{v:.2f}" if v is not None else "-" for v in (r["tau"], r.get("tau_uncapped")))
         departed = len(r.get("divergences") or [])
         lossless = {None: "-", True: "yes", False: f"NO {departed}/{r['prompts']}"}[r["lossless"]]
         rate = r["new_tokens"] / r["wall_s"] if r["wall_s"] else 0.0
-        rows.append(
-            f"{key:<24} {r['temperature']:>4g} {r['prompts']:>7} {r['new_tokens']:>7} {tau_s:>6} {lossless:>10} {rate:>8.1f}"
-        )
+        rows.append(f"{key:<24} {r['temperature']:>4g} {r['prompts']:>7} {r['new_tokens']:>7} {tau_s:>6} "
+                    f"{r.get('capped', 0):>6} {uncapped:>6} {lossless:>10} {rate:>8.1f}")
     return "\n".join(rows)

@@ -45,7 +45,7 @@ from transformers import PreTrainedTokenizerBase
 from dflash.data.records import BadRecord, iter_records
 from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.batch import baseline_steps, speculative_batch_steps
-from dflash.decode.evaluate import check_compatible, divergence, tau
+from dflash.decode.evaluate import at_budget, budget_split, check_compatible, divergence, tau
 from dflash.decode.speculative import run_to_end
 from dflash.model.drafter import DFlashDrafter, TargetHead
 
@@ -213,6 +213,7 @@ class Turn:
     acceptance: list[int]
     new_tokens: int
     wall_s: float
+    capped: bool = False  # ran to max_new_tokens without a stop token
     lossless: bool | None = None
     divergence: dict | None = None
     baseline_wall_s: float = 0.0
@@ -234,7 +235,8 @@ def decode_round(target_model: nn.Module, drafter: DFlashDrafter, head: TargetHe
         batch_size=settings.batch_size,
     ))
     share = (time.perf_counter() - started) / len(prompts)
-    turns = [Turn(lengths, len(tokens), share) for tokens, lengths in decoded]
+    turns = [Turn(lengths, len(tokens), share, at_budget(tokens, settings.max_new_tokens, stops))
+             for tokens, lengths in decoded]
     if settings.temperature == 0:
         started = time.perf_counter()
         greedy = run_to_end(baseline_steps(target_model, prompts, settings.max_new_tokens, stops, settings.batch_size,
@@ -280,6 +282,7 @@ def summarize(turns: list[Turn], temperature: float, block_size: int) -> dict:
     return {
         "temperature": temperature,
         "tau": tau([t.acceptance for t in turns]),
+        **budget_split([t.acceptance for t in turns], [t.capped for t in turns]),
         "histogram": {str(k): cycles.count(k) for k in range(1, block_size + 1)},
         "lossless": all(t.lossless for t in turns) if greedy else None,
         "divergences": [{"prompt": i, **t.divergence} for i, t in enumerate(turns) if t.divergence] if greedy else None,

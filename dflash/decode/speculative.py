@@ -7,8 +7,9 @@ prefix plus the target's own next token (the bonus) is kept, and the cache is
 rolled back to the accepted prefix (:func:`snapshot`, :func:`roll_back`). Greedy
 decoding must reproduce plain greedy decoding token for
 token (``lossless``); the headline metric is ``tau``, the mean acceptance length
-(accepted drafts + 1 per cycle), averaged per response and then over responses
-as z-lab reports it.
+(accepted drafts + 1 per cycle, the last cycle counted up to its stop token:
+:func:`cycle_length`), averaged per response and then over responses as z-lab's
+harness reports it.
 
 This path shares nothing with training but the model definitions: context
 features come from HF's ``output_hidden_states`` (layer id ``i`` is
@@ -134,6 +135,16 @@ def truncate(tokens: list[int], max_new_tokens: int, eos_ids: Collection[int]) -
     return tokens[: template.end_of_reply(tokens, eos_ids) or len(tokens)][:max_new_tokens]
 
 
+TAU_COUNT = "z-lab benchmark.py: accepted drafts + 1 per cycle, the last cycle up to its stop token"
+
+
+def cycle_length(new: list[int], eos_ids: Collection[int]) -> int:
+    """A cycle's acceptance length as z-lab's harness counts it: the accepted drafts and
+    the bonus, the last cycle only up to and with its stop token (drafts the target also
+    accepted past the end of the reply are not counted)."""
+    return template.end_of_reply(new, eos_ids) or len(new)
+
+
 def croppable(cache: DynamicCache) -> bool:
     """Whether cutting positions off the end takes the cache back to any earlier length:
     only when every layer keeps each position's keys and values. A sliding-window layer
@@ -251,7 +262,7 @@ def speculative_steps(
         context, first = window(context, first, cfg.context_window)
         new = drafts[:n].tolist() + [bonus]
         tokens += new
-        lengths.append(n + 1)
+        lengths.append(cycle_length(new, eos_ids))
         yield "drafting cycle"
     return truncate(tokens, max_new_tokens, eos_ids), lengths
 

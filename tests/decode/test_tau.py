@@ -118,3 +118,14 @@ def test_report_averages_per_response_then_over_responses_and_datasets(target, t
     mixed = report["results"]["mixed"]
     pooled = (B * mixed["histogram"][str(B)] + mixed["histogram"]["1"]) / mixed["cycles"]
     assert abs(pooled - mixed["tau"]) > 0.5  # the pooled mean would be a different number
+
+
+def test_responses_at_the_budget_are_counted_and_left_out_of_tau_uncapped():
+    """A response that ran to the budget without its stop token is capped; one that ends
+    with the stop exactly at the budget is not."""
+    from dflash.decode.evaluate import at_budget, budget_split
+
+    assert at_budget([5, 6, 7], 3, {9}) and not at_budget([5, 6, 9], 3, {9}) and not at_budget([5, 9], 3, {9})
+    split = budget_split([[4, 4, 4], [1, 2], [3]], [True, False, False])
+    assert split == {"capped": 1, "tau_uncapped": (1.5 + 3) / 2}
+    assert budget_split([[4]], [True]) == {"capped": 1, "tau_uncapped": None}
