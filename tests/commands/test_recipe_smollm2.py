@@ -1,0 +1,48 @@
+"""recipes/smollm2.sh on the CPU with a tiny slice: a tiny Llama chat model written as GGUF
+by the ``gguf`` package stands in for SmolLM2 (same special tokens, so the same preset and
+mask token), and the fixture HumanEval rows for the real ones; every step runs and the
+table is written."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from gguf_fixture import tiny_llama, write_gguf
+
+ROOT = Path(__file__).parents[2]
+TINY_TRAIN = ("wandb.mode=disabled train.max_steps=2 train.batch_size=2 train.micro_batch_size=1 train.num_anchors=8 "
+              "drafter.num_layers=1 drafter.block_size=8 drafter.target_layer_ids=[0] data.min_loss_tokens=2 "
+              "eval.max_prompts=2")
+
+
+def run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "TARGET_DIR": str(tmp_path / "target"),
+           "GGUF": str(write_gguf(tiny_llama(), tmp_path / "tiny.gguf")), "MAX_TASKS": "20", "DEMO": "6",
+           "REPEATS": "1", "MAX_NEW": "12", "SAMPLES": "2", "TRAIN_OVERRIDES": TINY_TRAIN,
+           "REGEN_ARGS": "--keep-truncated --batch-size 8", "EVAL_ARGS": "--device cpu",
+           "HUMANEVAL": str(ROOT / "tests" / "fixtures" / "benchmarks" / "humaneval.jsonl"), **env}
+    return subprocess.run([str(ROOT / "recipes" / "smollm2.sh"), str(tmp_path / "work")], env=env,
+                          capture_output=True, text=True, timeout=400)
+
+
+def test_the_smollm2_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path):
+    out = run(tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    work = tmp_path / "work"
+    assert (tmp_path / "target" / "model.safetensors").is_file()
+    assert "training: " in (work / "plan.txt").read_text()  # the hours line, before anything trains
+    assert out.stdout.index("training: ") < out.stdout.index("== train")
+    assert (work / "run" / "export" / "config.json").is_file()
+    table = (work / "table.md").read_text().splitlines()
+    assert table[0].startswith("| set | responses | tau | capped |")
+    assert [row.split(" | ")[0][2:] for row in table[2:4]] == ["humaneval", "heldout"]
+    assert table[2].split(" | ")[1] == "2" and all(" yes " in row for row in table[2:4])
+    assert any("last cycle up to its stop token" in line for line in table)
+
+
+def test_a_dry_run_states_the_plan_and_hours_and_trains_nothing(tmp_path):
+    out = run(tmp_path, DRY_RUN="1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cost of smollm2_135m" in out.stdout and "training: " in out.stdout
+    assert not (tmp_path / "work" / "run").exists() and not (tmp_path / "work" / "regen_greedy.jsonl").exists()
