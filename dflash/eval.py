@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 
+from dflash.data import template
 from dflash.decode.baseline import GreedyBaselines
 from dflash.decode.evaluate import (
     BASELINE_FILE,
+    encode_prompt,
     evaluate_datasets,
     format_table,
     load_prompts,
@@ -37,6 +39,7 @@ from dflash.decode.public_sets import (
     parse_sets,
 )
 from dflash.decode.speculative import TAU_COUNT, DecodeSettings
+from dflash.decode.speed import format_speed, measure_speed
 from dflash.model.drafter import TargetHead
 from dflash.model.export import load_export
 from dflash.model.target import TargetSource
@@ -78,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="target and drafter dtype; a 16-token verify and a 1-token step round differently, "
         "which in bf16 can flip near-tied argmaxes and so 'lossless'; float32 keeps that far below logit gaps",
     )
+    ap.add_argument("--speed", type=positive, default=None, metavar="N",
+                    help="--data: also time N prompts of the first set: the target alone, speculative decoding and "
+                    "transformers' prompt lookup, tokens/s at --speed-batch (the report's 'speed')")
+    ap.add_argument("--speed-batch", type=positive, nargs="+", default=[1, 16])
     ap.add_argument("--trust-remote-code", action="store_true")
     ap.add_argument("--chat-template-kwargs", type=json.loads, default={}, metavar="JSON",
                     help='chat template arguments as in training\'s data.chat_template_kwargs, e.g. \'{"enable_thinking": false}\'')
@@ -157,8 +164,17 @@ def data(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, out
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens or 256, max_prompts=args.max_prompts,
                               temperatures=args.temperature, seed=args.seed, block_size=args.block_size,
                               template_kwargs=args.chat_template_kwargs, batch_size=args.batch_size)
-    return evaluate_datasets(target_model, tokenizer, drafter, head, drafter_dir=args.drafter, datasets=datasets,
-                             out_path=out, settings=settings, target_name=args.target)
+    report = evaluate_datasets(target_model, tokenizer, drafter, head, drafter_dir=args.drafter, datasets=datasets,
+                               out_path=out, settings=settings, target_name=args.target)
+    if args.speed:
+        messages = load_prompts(next(iter(datasets.values())), args.speed, key="--data")
+        ids = [encode_prompt(tokenizer, m, args.chat_template_kwargs).to(device) for m in messages]
+        eos = template.reply_end_ids(tokenizer, getattr(target_model, "generation_config", None))
+        report["speed"] = measure_speed(target_model, drafter, head, ids, max_new_tokens=settings.max_new_tokens,
+                                        eos_ids=eos, batch_sizes=args.speed_batch)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(format_speed(report["speed"]))
+    return report
 
 
 if __name__ == "__main__":

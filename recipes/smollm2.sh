@@ -16,6 +16,7 @@
 #   MAX_NEW          new tokens per reply when regenerating and evaluating (default 512)
 #   EPOCHS           train.epochs (default 6, the paper's)
 #   SAMPLES          HumanEval problems scored (default: all 164)
+#   SPEED_PROMPTS    held-out prompts timed: target alone, speculative, prompt lookup, batch 1 and 16 (default 32)
 #   TRAIN_OVERRIDES, REGEN_ARGS, EVAL_ARGS   extra arguments of each step (space-separated)
 set -euo pipefail
 WORK=${1:-runs/smollm2}
@@ -75,6 +76,7 @@ step "score the export on HumanEval (z-lab's format) and on the held-out prompts
     --sets "humaneval${HUMANEVAL:+=$HUMANEVAL}" --max-new-tokens "$MAX_NEW" ${SAMPLES:+--max-samples "$SAMPLES"} \
     --out "$WORK/eval_humaneval.json" "${EVAL_EXTRA[@]}"
 "$PY" -m dflash.eval --target "$TARGET_DIR" --drafter "$WORK/run/export" --data "heldout=$WORK/prompts/heldout.jsonl" \
-    --max-new-tokens "$MAX_NEW" --max-prompts 1000 --out "$WORK/eval_heldout.json" "${EVAL_EXTRA[@]}"
+    --max-new-tokens "$MAX_NEW" --max-prompts 1000 --speed "${SPEED_PROMPTS:-32}" --out "$WORK/eval_heldout.json" \
+    "${EVAL_EXTRA[@]}"
 "$PY" recipes/table.py "$WORK" --seconds "$(( $(date +%s) - start ))" | tee "$WORK/table.md"
 step "done: $WORK/table.md"

@@ -27,6 +27,11 @@ def rows(report: dict) -> list[str]:
     return out
 
 
+def speed_row(r: dict) -> str:
+    same = "-" if r["same_as_target"] is None else f"{r['same_as_target']}/{r['prompts']}"
+    return f"| {r['mode']} | {r['batch']} | {fmt(r['tokens_per_s'], 1)} | {fmt(r['speedup'])}x | {same} |"
+
+
 def table(work: Path, seconds: float | None = None) -> str:
     lines = ["| set | responses | tau | capped | tau without capped | lossless | tok/s speculative | tok/s target |",
              "|---|---|---|---|---|---|---|---|"]
@@ -37,6 +42,12 @@ def table(work: Path, seconds: float | None = None) -> str:
             report = json.loads(path.read_text())
             lines += rows(report)
             count = report.get("tau_count", count)
+    heldout = work / "eval_heldout.json"
+    speed = json.loads(heldout.read_text()).get("speed") if heldout.is_file() else None
+    if speed:
+        lines += ["", "| decoding (held-out prompts) | batch | tokens/s | vs the target alone | same as the target |",
+                  "|---|---|---|---|---|"]
+        lines += [speed_row(r) for r in speed["rows"]]
     notes = [f"tau: {count}" if count else "tau: no report found"]
     summary = work / "prompts" / "summary.json"
     if summary.is_file():

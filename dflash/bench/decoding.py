@@ -4,7 +4,6 @@ speculative with a random drafter in batches and at batch 1, and the plain greed
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
@@ -16,7 +15,7 @@ from dflash.decode.batch import (
 )
 from dflash.decode.evaluate import tau
 from dflash.decode.speculative import run_to_end
-from dflash.device import synchronize
+from dflash.decode.speed import timed_decode
 from dflash.model.drafter import DFlashDrafter, TargetHead
 from dflash.model.target import random_target
 from dflash.run.build import (
@@ -32,16 +31,6 @@ def parse_decode(spec: str) -> list[tuple[int, int]]:
         return [(int(n), int(m)) for n, m in (part.split("x") for part in spec.split(","))]
     except ValueError:
         raise SystemExit(f"--decode takes PROMPTSxNEW_TOKENS[,...], e.g. 64x256, not {spec!r}") from None
-
-
-def timed_decode(steps, device: torch.device) -> tuple[object, float]:
-    """Run a sliced decoding to its end, the device synchronised before and after: its
-    result and wall seconds."""
-    synchronize(device)
-    start = time.perf_counter()
-    result = run_to_end(steps)
-    synchronize(device)
-    return result, time.perf_counter() - start
 
 
 def run_decode(job: Job, specs: list[tuple[int, int]], batch_one: int = 2, profile: int = 0) -> dict:

@@ -19,7 +19,7 @@ TINY_TRAIN = ("wandb.mode=disabled train.max_steps=2 train.batch_size=2 train.mi
 def run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "TARGET_DIR": str(tmp_path / "target"),
            "GGUF": str(write_gguf(tiny_llama(), tmp_path / "tiny.gguf")), "MAX_TASKS": "20", "DEMO": "6",
-           "REPEATS": "1", "MAX_NEW": "12", "SAMPLES": "2", "TRAIN_OVERRIDES": TINY_TRAIN,
+           "REPEATS": "1", "MAX_NEW": "12", "SAMPLES": "2", "SPEED_PROMPTS": "2", "TRAIN_OVERRIDES": TINY_TRAIN,
            "REGEN_ARGS": "--keep-truncated --batch-size 8", "EVAL_ARGS": "--device cpu",
            "HUMANEVAL": str(ROOT / "tests" / "fixtures" / "benchmarks" / "humaneval.jsonl"), **env}
     return subprocess.run([str(ROOT / "recipes" / "smollm2.sh"), str(tmp_path / "work")], env=env,
@@ -39,6 +39,7 @@ def test_the_smollm2_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path):
     assert [row.split(" | ")[0][2:] for row in table[2:4]] == ["humaneval", "heldout"]
     assert table[2].split(" | ")[1] == "2" and all(" yes " in row for row in table[2:4])
     assert any("last cycle up to its stop token" in line for line in table)
+    assert any(row.startswith("| prompt lookup (10) | 1 |") for row in table)
 
 
 def test_a_dry_run_states_the_plan_and_hours_and_trains_nothing(tmp_path):
