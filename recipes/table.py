@@ -22,8 +22,8 @@ def rows(report: dict) -> list[str]:
         spec = r["new_tokens"] / r["wall_s"] if r.get("wall_s") else None
         base = r["new_tokens"] / r["baseline_wall_s"] if r.get("baseline_wall_s") else None
         lossless = {None: "-", True: "yes", False: "NO"}[r["lossless"]]
-        out.append(f"| {name} | {r['prompts']} | {fmt(r['tau'])} | {r.get('capped', '-')} | {fmt(r.get('tau_uncapped'))} "
-                   f"| {lossless} | {fmt(spec, 1)} | {fmt(base, 1)} |")
+        out.append(f"| {name} | {r['prompts']} | {fmt(r['tau'])} | {r.get('capped', '-')} "
+                   f"| {fmt(r.get('tau_uncapped'))} | {lossless} | {fmt(spec, 1)} | {fmt(base, 1)} |")
     return out
 
 
