@@ -57,6 +57,9 @@ class CompileSettings:
     strict: bool
     warmup_turns: int
     attention: str = "triton"  # flex attention's kernels: "flash" (FlashAttention-4) or "triton" (Inductor's)
+    auto: bool = False  # compile.enabled=auto
+    # auto on CUDA: on until the run's length is known, then weighed (dflash.run.warmup.choose_warmup)
+    pending: bool = False
 
     @property
     def cuda_graphs(self) -> bool:
@@ -70,8 +73,9 @@ class CompileSettings:
 
 
 def _flag(value, device: torch.device) -> bool:
-    """``auto`` means on for CUDA, off on the CPU (Inductor's C++ path costs more
-    to compile than it saves on a small CPU run)."""
+    """``auto`` means on for CUDA (until :func:`dflash.run.warmup.choose_warmup` weighs the
+    compile against the run), off on the CPU (Inductor's C++ path costs more to compile
+    than it saves on a small CPU run)."""
     return device.type == "cuda" if value == "auto" else bool(value)
 
 
@@ -104,6 +108,8 @@ def resolve_settings(c: Mapping, device: torch.device, num_buckets: int) -> Comp
         strict=bool(c["strict"]),
         warmup_turns=int(turns),
         attention=attention,
+        auto=c["enabled"] == "auto",
+        pending=c["enabled"] == "auto" and drafter,
     )
 
 

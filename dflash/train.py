@@ -32,6 +32,7 @@ from dflash.run.build import Job, build_job, build_topology, timeouts
 from dflash.run.config import config_dir
 from dflash.run.garbage import collected_between_steps
 from dflash.run.layout import DoesNotFit, check_fits, format_layout, format_options
+from dflash.run.warmup import break_even
 from dflash.run.metrics import require_wandb
 from dflash.run.roles import run_colocated, run_drafter_rank, run_target_rank
 from dflash.run.startup import phases as startup
@@ -63,6 +64,8 @@ def dry_run(cfg: DictConfig) -> dict:
 def describe(job: Job) -> str:
     """The layout's cost, and on several ranks the layouts open to it."""
     text = format_layout(job.layout_settings, job.plan, job.layout)
+    if job.cfg.compile.enabled == "auto":
+        text += "\n  " + break_even(job.plan, job.layout.taken)
     if job.layout.taken.world_size > 1:
         text += "\n" + format_options(job.layout.options, job.layout.targets, job.plan.micro_batch_size,
                                       job.plan.packing)

@@ -33,9 +33,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # runs from a checkout, also where the package is not installed
-# every synthetic sample is train.max_len long: one length bucket, one compiled graph
+# every synthetic sample is train.max_len long: one length bucket, one compiled graph (compiled
+# however short the run: the sweep measures the compiled step)
 COMMON = ["target=qwen3_8b", "target.path=random", "data=synthetic", "train=paper", "train.buckets=null",
-          "eval.enabled=false", "wandb.mode=disabled"]
+          "eval.enabled=false", "wandb.mode=disabled", "compile.enabled=true"]
 
 
 def run(nproc: int, overrides: list[str], output_dir: Path, env: dict | None = None) -> dict:

@@ -158,7 +158,7 @@ class RoleBench:
         trainer = build_trainer(with_mode(self.job, mode), self.head, 10**6)
         before = compile_counts()
         compile_breakdown()
-        warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype), 0, 1)
+        warm = staggered_warmup(lambda: warm_drafter(self.job.plan, trainer, self.dtype, self.job.plan.buckets), 0, 1)
         return trainer, warm, before
 
     def drafter(self, name: str, mode: str | None) -> dict:

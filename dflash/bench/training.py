@@ -30,8 +30,12 @@ def run_training(overrides: list[str], ranks: int, steps: int) -> dict:
     """``ranks`` local processes train :data:`UNTIMED_STEPS` + ``steps`` optimizer steps under
     torchrun (``dflash.train`` as a user launches it, its layout as the plan chooses or the
     overrides ask), then the samples/s of the last ``steps`` from the metrics they logged,
-    per GPU, beside the plan's prediction for the same layout."""
-    run = [*overrides, f"train.max_steps={UNTIMED_STEPS + steps}", "train.log_every=1", "eval.enabled=false"]
+    per GPU, beside the plan's prediction for the same layout. On a GPU compiled unless the
+    overrides say otherwise: a run this short would train eager under ``compile.enabled=auto``,
+    and the plan's rates are the compiled step's."""
+    compiled = torch.cuda.is_available() and not any(o.startswith("compile.enabled=") for o in overrides)
+    run = [*(["compile.enabled=true"] if compiled else []), *overrides, f"train.max_steps={UNTIMED_STEPS + steps}",
+           "train.log_every=1", "eval.enabled=false"]
     job = build_job(compose_config(run), ranks)
     with tempfile.TemporaryDirectory() as out:
         # as launch.sh starts a node: each rank sees its own GPU as cuda:0, NVLink multicast off

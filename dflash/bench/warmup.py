@@ -44,7 +44,7 @@ def _warmup_worker(rank: int, world: int, port: int, overrides: list[str], turns
     share_compile_threads(sum(warmup_turn(r == 0, r, turns) == turn for r in range(world)))
 
     report = staggered_warmup(
-        lambda: warm_drafter(job.plan, trainer, job.dtype), turn, turns, lambda _: dist.barrier(),
+        lambda: warm_drafter(job.plan, trainer, job.dtype, job.plan.buckets), turn, turns, lambda _: dist.barrier(),
         (lambda: get_bytes(store, ARTIFACTS_KEY)) if turns > 1 and turn > 0 else None,  # the get waits for rank 0
         (lambda data: put_bytes(store, ARTIFACTS_KEY, data)) if turns > 1 and rank == 0 else None,
     )

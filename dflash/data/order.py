@@ -184,3 +184,26 @@ def collate(
         anchors.append(a)
         keep.append(k)
     return MicroBatch(ids, mask, torch.tensor(lengths), torch.stack(anchors), torch.stack(keep), epoch, positions)
+
+
+def buckets_met(order: SampleOrder | PackedOrder, lengths: np.ndarray, buckets: Sequence[int],
+                num_micro: int) -> tuple[int, ...]:
+    """The buckets global micro-batches ``0 .. num_micro - 1`` are padded to (as
+    :func:`collate` pads them), ascending: the only shapes a run of ``num_micro``
+    micro-batches meets, so the only ones worth compiling before it starts. Computed
+    epoch by epoch from the lengths alone; stops once every bucket is met."""
+    edges = np.asarray(sorted(buckets))
+    met: set[int] = set()
+    per_epoch = order.steps_per_epoch * order.batch_size // order.micro_batch_size
+    epoch = 0
+    while epoch * per_epoch < num_micro and len(met) < len(edges):
+        count = min(per_epoch, num_micro - epoch * per_epoch)
+        if isinstance(order, PackedOrder):
+            rows = order.packs(epoch)[: count * order.micro_batch_size]
+            widths = np.fromiter((lengths[r].sum() for r in rows), dtype=np.int64, count=len(rows))
+        else:
+            widths = lengths[order.permutation(epoch)[: count * order.micro_batch_size]]
+        longest = widths.reshape(count, order.micro_batch_size).max(axis=1)
+        met.update(edges[np.searchsorted(edges, np.unique(longest))].tolist())
+        epoch += 1
+    return tuple(sorted(met))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +25,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedToken
 from dflash.compile import CompileSettings, resolve_settings
 from dflash.data.bundle import MicroBatch, random_batch, random_prefill
 from dflash.data.dataset import Dataset, DataSettings, load_dataset, synthetic_dataset
-from dflash.data.order import PackedOrder, SampleOrder, collate
+from dflash.data.order import PackedOrder, SampleOrder, buckets_met, collate
 from dflash.device import pick_device
 from dflash.distributed import tensor_parallel
 from dflash.distributed.protocol import Protocol, Timeouts
@@ -208,10 +210,15 @@ class TargetSide:
         """The position ids the prefill needs: a packed batch's, else none (the fast causal path)."""
         return batch.position_ids if self.plan.packing else None
 
-    def warm(self) -> None:
-        """One prefill per length bucket, so every compiled shape exists before data flows."""
+    def buckets_met(self, steps: int) -> tuple[int, ...]:
+        """The length buckets the micro-batches of ``steps`` steps are padded to."""
+        return buckets_met(self.order, self.dataset.lengths(), self.plan.buckets, steps * self.plan.micro_per_step)
+
+    def warm(self, buckets: tuple[int, ...]) -> None:
+        """One prefill per length bucket the run meets, so every compiled shape exists
+        before data flows."""
         vocab = self.target.head().vocab_size
-        for seq_len in self.plan.buckets:
+        for seq_len in buckets:
             batch = random_batch(self.plan.micro_batch_size, seq_len, vocab, self.plan.anchor_spec(),
                                  samples_per_row=2 if self.plan.packing else 1).to(self.device)
             self.target.prefill(batch.input_ids, self.plan.topk, self.packed_positions(batch))
@@ -241,11 +248,51 @@ def prepare_packing(target: Target, device: torch.device, dtype: torch.dtype) ->
     check_packing(target, dtype)
 
 
+def read_data(job: Job) -> Dataset:
+    """The training samples: ``data=synthetic``'s drawn, else read and tokenised (or loaded
+    from the token cache)."""
+    cfg, plan = job.cfg, job.plan
+    if cfg.data.path == "synthetic":
+        vocab = job.target_config.get_text_config().vocab_size
+        return synthetic_dataset(cfg.data.num_samples, plan.max_len, vocab, cfg.data.prompt_fraction, seed=plan.seed,
+                                 mean_length=cfg.data.get("mean_length"))
+    return load_dataset(DataSettings(
+        cfg.data.path, plan.max_len, cfg.data.min_loss_tokens, strict=cfg.data.strict, max_samples=cfg.data.max_samples,
+        cache_dir=cfg.data.cache_dir or None, wait_s=cfg.topology.warmup_timeout_s, weights=cfg.data.weights,
+        seed=plan.seed, template_kwargs=cfg.data.chat_template_kwargs), job.tokenizer)
+
+
+class InBackground:
+    """``fn()`` on a daemon thread, for work that touches no model: reading and tokenising
+    the data while the main thread loads the target's weights. A daemon, so that an error
+    on the main thread ends the process at once instead of waiting for the data."""
+
+    def __init__(self, fn: Callable[[], object], name: str):
+        self._value: object = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by result()
+            self._error = e
+
+    def result(self) -> object:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> TargetSide:
     """The target (this rank's shard of it over ``group``, a tensor-parallel target
-    group), the data and the sample order."""
-    cfg, plan = job.cfg, job.plan
-    tokenizer = job.tokenizer
+    group), the data and the sample order. The data is read on a background thread while
+    the weights load; the target's layers are compiled later, once the run has weighed
+    the compile (:func:`dflash.run.warmup.choose_warmup`)."""
+    plan = job.plan
+    reading = InBackground(lambda: read_data(job), "dflash-data")
     if group is None:
         model = job.source.model(job.device, job.dtype)
     else:
@@ -255,20 +302,10 @@ def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> Targe
     target = Target(model, list(plan.layer_ids))
     if plan.packing:
         prepare_packing(target, job.device, job.dtype)
-    if job.compile.target:
-        target.compile(job.compile)
-    max_len = plan.max_len
-    if cfg.data.path == "synthetic":
-        vocab = job.target_config.get_text_config().vocab_size
-        dataset = synthetic_dataset(cfg.data.num_samples, max_len, vocab, cfg.data.prompt_fraction, seed=plan.seed,
-                                    mean_length=cfg.data.get("mean_length"))
-    else:
-        dataset = load_dataset(DataSettings(
-            cfg.data.path, max_len, cfg.data.min_loss_tokens, strict=cfg.data.strict, max_samples=cfg.data.max_samples,
-            cache_dir=cfg.data.cache_dir or None, wait_s=cfg.topology.warmup_timeout_s, weights=cfg.data.weights,
-            seed=plan.seed, template_kwargs=cfg.data.chat_template_kwargs), tokenizer)
+    dataset = reading.result()
     skipped = dataset.skipped
     log.info("%d training samples, %d records skipped %s", len(dataset), sum(skipped.values()), dict(skipped))
+    tokenizer = job.tokenizer
     pad_id = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     order = plan.sample_order(dataset.lengths())
     if plan.packing:
@@ -301,8 +338,8 @@ def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
                           train.grad_clip, autocast, job.compile)
 
 
-def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype) -> None:
-    """Compile and record the drafter step for every length bucket on random data."""
+def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype, buckets: tuple[int, ...]) -> None:
+    """Compile and record the drafter step for every length bucket the run meets, on random data."""
     if not trainer.compiled and trainer.device.type == "cpu":
         return  # nothing to compile
     vocab, micro = trainer.head.vocab_size, plan.micro_batch_size
@@ -311,7 +348,7 @@ def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype) -> Non
             random_batch(micro, seq_len, vocab, plan.anchor_spec(), samples_per_row=2 if plan.packing else 1),
             random_prefill(micro, seq_len, plan.feature_dim, dtype, plan.topk, vocab, trainer.device),
         )
-        for seq_len in plan.buckets
+        for seq_len in buckets
     ]
     trainer.warmup(batches)
 

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -56,6 +57,7 @@ from dflash.run.loop import StepLoop
 from dflash.run.settings import RunSettings
 from dflash.run.startup import phases as startup
 from dflash.run.step import DrafterTrainer
+from dflash.run.warmup import choose_warmup
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +78,21 @@ def log_warmup(settings: RunSettings, reports: list[dict]) -> None:
     ]
     log.info("compile warmup:\n%s", "\n".join(lines))
     settings.run_dir.warmup.write_text(json.dumps(reports, indent=1))
+
+
+def weigh_compile(job: Job, steps: int, buckets: tuple[int, ...]) -> tuple[Job, tuple[int, ...]]:
+    """The job with its compile decided for a run of ``steps`` steps
+    (:func:`~dflash.run.warmup.choose_warmup`), and the buckets its warmup covers."""
+    choice = choose_warmup(job.compile, job.plan, job.layout.taken, steps, buckets, job.device.type == "cuda")
+    log.info(choice.reason)
+    return replace(job, compile=choice.compile), choice.buckets
+
+
+def schedule(side: TargetSide, steps: int) -> tuple[dict, tuple[int, ...]]:
+    """The data's summary for the metrics log and the other ranks, with the length buckets
+    the run's ``steps`` steps meet (``buckets``), and those buckets."""
+    buckets = side.buckets_met(steps)
+    return {**side.dataset.summary(), "buckets": list(buckets)}, buckets
 
 
 def export_drafter(settings: RunSettings, trainer: DrafterTrainer, device: torch.device) -> Path:
@@ -118,9 +135,13 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
     startup.mark("the target and the data")
     if first:
         check_evaluation(settings, side)
-    steps, data = plan.total_steps(side.order), side.dataset.summary()
+    steps = plan.total_steps(side.order)
+    data, buckets = schedule(side, steps)
     if proto:
         steps = proto.agree_steps(steps, data)
+    job, buckets = weigh_compile(job, steps, buckets)
+    if job.compile.target:
+        side.target.compile(job.compile)
     drafting = build_drafter_side(job, side.target.head(), steps, proto, logs=first)
     startup.mark("the drafter and its checkpoint")
     trainer = drafting.trainer
@@ -129,8 +150,8 @@ def run_colocated(job: Job, topo: Topology | None = None, proto: Protocol | None
 
     def warm() -> None:
         if job.compile.target:
-            side.warm()
-        warm_drafter(plan, trainer, job.dtype)
+            side.warm(buckets)
+        warm_drafter(plan, trainer, job.dtype, buckets)
 
     if proto:
         reports = warm_in_turn(job, topo, proto, warm)
@@ -201,10 +222,14 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     startup.mark("the target and the data")
     if topo.rank == 0:
         check_evaluation(settings, side)
-    steps = proto.agree_steps(plan.total_steps(side.order), side.dataset.summary())
+    data, _ = schedule(side, plan.total_steps(side.order))
+    steps = proto.agree_steps(plan.total_steps(side.order), data)
+    job, buckets = weigh_compile(job, steps, tuple(proto.data_summary()["buckets"]))
+    if job.compile.target:
+        side.target.compile(job.compile)
     start = proto.agree_start(None)
     server = eval_server(job, topo, proto, side)
-    warm_in_turn(job, topo, proto, lambda: warm_target_rank(job, side, server))
+    warm_in_turn(job, topo, proto, lambda: warm_target_rank(job, side, server, buckets))
     startup.mark("the compile warmup")
     garbage.settle()
     guard = CompileGuard(job.compile.strict)
@@ -264,11 +289,11 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     return summary
 
 
-def warm_target_rank(job: Job, side: TargetSide, server: EvalServer | None) -> None:
-    """Compile the prefill; on target rank 0 with evaluations while training, also run
-    the evaluation's decoding once, while no bundle is in flight (``Evaluator.warm``)."""
+def warm_target_rank(job: Job, side: TargetSide, server: EvalServer | None, buckets: tuple[int, ...]) -> None:
+    """Compile the prefill at ``buckets``; on target rank 0 with evaluations while training,
+    also run the evaluation's decoding once, while no bundle is in flight (``Evaluator.warm``)."""
     if job.compile.target:
-        side.warm()
+        side.warm(buckets)
     if server:
         server.warm()
 
@@ -278,12 +303,14 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     plan, device, settings = job.plan, job.device, job.settings
     is_metrics = topo.rank == topo.metrics_rank
     head = job.source.head(device, job.dtype)
-    drafting = build_drafter_side(job, head, proto.agree_steps(None), proto, logs=is_metrics)
+    steps = proto.agree_steps(None)
+    job, buckets = weigh_compile(job, steps, tuple(proto.data_summary()["buckets"]))
+    drafting = build_drafter_side(job, head, steps, proto, logs=is_metrics)
     startup.mark("the head, the drafter and its checkpoint")
     trainer, steps, metrics = drafting.trainer, drafting.steps, drafting.metrics
     if is_metrics:
         metrics.log_data(proto.data_summary())
-    warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype))
+    warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype, buckets))
     startup.mark("the compile warmup")
     garbage.settle()
     guard = CompileGuard(job.compile.strict)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dflash.data.dataset import synthetic_lengths
-from dflash.data.order import PackedOrder, best_fit
+from dflash.data.order import PackedOrder, SampleOrder, best_fit, bucket_length, buckets_met
 
 
 def lognormal_lengths(n: int = 4000, budget: int = 32768, mean: int = 4500) -> np.ndarray:
@@ -48,3 +48,19 @@ def test_a_sample_longer_than_a_row_and_too_few_rows_are_refused():
         PackedOrder([50, 101], 100, batch_size=1, micro_batch_size=1, seed=0)
     with pytest.raises(ValueError, match="fewer than one batch"):
         PackedOrder([60, 60, 60], 100, batch_size=4, micro_batch_size=1, seed=0)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("num_micro", [1, 3, 7, 40, 200])
+def test_the_buckets_met_are_those_collation_pads_each_micro_batch_to(packed, num_micro):
+    rng = np.random.default_rng(3)
+    lengths = np.clip(rng.lognormal(np.log(60), 0.9, 90).round().astype(np.int64), 4, 256)
+    buckets = (32, 64, 96, 128, 192, 256)
+    order = PackedOrder(lengths, 256, 8, 2, seed=1) if packed else SampleOrder(len(lengths), 8, 2, seed=1)
+    by_hand = set()
+    for m in range(num_micro):  # every micro-batch of the run, as collate pads it
+        _, rows = order.rows(m)
+        by_hand.add(bucket_length(max(int(lengths[row].sum()) for row in rows), list(buckets)))
+    assert buckets_met(order, lengths, buckets, num_micro) == tuple(sorted(by_hand))
+    if num_micro == 1:
+        assert len(by_hand) == 1  # a short run meets fewer buckets than the plan has

@@ -110,7 +110,7 @@ def test_groups_that_leave_ranks_out_are_created_and_carry_data(tmp_path):
 
 
 # the demo target, a few steps, strict compile guards, one length bucket
-END_TO_END = TINY + ["train.batch_size=6", "train.max_steps=6", "train.buckets=[320]", "train.max_len=320"]
+END_TO_END = TINY + ["compile.enabled=true", "train.batch_size=6", "train.max_steps=6", "train.buckets=[320]", "train.max_len=320"]
 
 
 def train(nproc: int, output_dir: Path, extra: list[str]) -> None:
