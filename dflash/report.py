@@ -37,7 +37,7 @@ def _read(run_dir: Path, name: str):
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+def run_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
     """The training steps and the evaluations while training (``eval.every``), each by step."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -164,7 +164,7 @@ def plot_health(records: list[dict], ranks: list[dict] | None, out: Path) -> Pat
 def write_report(run_dir: str | Path) -> Path:
     """Every plot this run's files allow, and ``report/report.md``; returns that path."""
     run_dir = Path(run_dir)
-    records, evals = _records(run_dir)
+    records, evals = run_records(run_dir)
     evaluation, ranks = _read(run_dir, "eval.json"), _read(run_dir, "ranks.json")
     config = run_dir / "config.yaml"
     batch_size = OmegaConf.load(config).train.batch_size if config.is_file() else None

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from gguf_fixture import tiny_llama, write_gguf
 
 ROOT = Path(__file__).parents[2]
@@ -16,18 +17,25 @@ TINY_TRAIN = ("wandb.mode=disabled train.max_steps=2 train.batch_size=2 train.mi
               "eval.max_prompts=2")
 
 
-def run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+def run(tmp_path: Path, script: str = "smollm2.sh", **env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "TARGET_DIR": str(tmp_path / "target"),
            "GGUF": str(write_gguf(tiny_llama(), tmp_path / "tiny.gguf")), "MAX_TASKS": "20", "DEMO": "6",
            "REPEATS": "1", "MAX_NEW": "12", "SAMPLES": "2", "SPEED_PROMPTS": "2", "TRAIN_OVERRIDES": TINY_TRAIN,
            "REGEN_ARGS": "--keep-truncated --batch-size 8", "EVAL_ARGS": "--device cpu",
            "HUMANEVAL": str(ROOT / "tests" / "fixtures" / "benchmarks" / "humaneval.jsonl"), **env}
-    return subprocess.run([str(ROOT / "recipes" / "smollm2.sh"), str(tmp_path / "work")], env=env,
+    return subprocess.run([str(ROOT / "recipes" / script), str(tmp_path / "work")], env=env,
                           capture_output=True, text=True, timeout=400)
 
 
-def test_the_smollm2_recipe_runs_end_to_end_on_a_tiny_gguf_target(tmp_path):
-    out = run(tmp_path)
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The recipe run once: its directory and its output."""
+    tmp_path = tmp_path_factory.mktemp("recipe")
+    return tmp_path, run(tmp_path)
+
+
+def test_the_smollm2_recipe_runs_end_to_end_on_a_tiny_gguf_target(recipe):
+    tmp_path, out = recipe
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     work = tmp_path / "work"
     assert (tmp_path / "target" / "model.safetensors").is_file()
@@ -47,3 +55,25 @@ def test_a_dry_run_states_the_plan_and_hours_and_trains_nothing(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cost of smollm2_135m" in out.stdout and "training: " in out.stdout
     assert not (tmp_path / "work" / "run").exists() and not (tmp_path / "work" / "regen_greedy.jsonl").exists()
+
+
+def test_the_study_trains_each_variant_on_the_recipes_data_and_plots_tau_against_samples(recipe):
+    tmp_path, _ = recipe
+    tiny = TINY_TRAIN.replace("drafter.num_layers=1", "drafter.num_layers=5")  # the sliding variant names 5 layers
+    out = run(tmp_path, "smollm2_study.sh", TRAIN_OVERRIDES=tiny, EVAL_EVERY="1", EVAL_PROMPTS="2")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    study = tmp_path / "work" / "study"
+    table = (study / "study.md").read_text().splitlines()
+    assert [row.split(" | ")[0][2:] for row in table[2:6]] == ["ce", "kl", "dflash2", "sliding"]
+    for row in table[2:6]:
+        cells = row.split(" | ")
+        assert cells[2] != "-" and cells[6] != "-"  # tau on HumanEval and held out
+        assert cells[5] == "yes" and cells[9] == "yes" and cells[10] == "2"  # lossless; 2 steps each
+    assert (study / "study.png").stat().st_size > 10_000
+    configs = {v: (study / v / "run" / "export" / "config.json").read_text() for v in ("dflash2", "sliding")}
+    assert '"block_size": 8' in configs["dflash2"] and "sliding_attention" in configs["sliding"]
+
+
+def test_the_study_refuses_a_directory_the_recipe_has_not_filled(tmp_path):
+    out = run(tmp_path, "smollm2_study.sh")
+    assert out.returncode == 2 and "run recipes/smollm2.sh" in out.stderr
