@@ -32,10 +32,10 @@ from dflash.run.build import Job, build_job, build_topology, timeouts
 from dflash.run.config import config_dir
 from dflash.run.garbage import collected_between_steps
 from dflash.run.layout import DoesNotFit, check_fits, format_layout, format_options
-from dflash.run.warmup import break_even
 from dflash.run.metrics import require_wandb
 from dflash.run.roles import run_colocated, run_drafter_rank, run_target_rank
 from dflash.run.startup import phases as startup
+from dflash.run.warmup import break_even
 
 log = logging.getLogger("dflash.train")
 

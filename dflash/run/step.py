@@ -101,6 +101,20 @@ def compute_copy(drafter: DFlashDrafter, dtype: torch.dtype) -> DFlashDrafter:
     return copy.deepcopy(drafter, memo=cast)
 
 
+# An eager step on CUDA attends densely below this many bytes of attention scores over all
+# layers: flex attention compiles a kernel pair for every shape it meets (seconds each on a
+# cold cache), the dense mask compiles nothing, and at small shapes (the embedded default's
+# scores are a few MB) it costs no more. Above it (the paper shapes: about 24 GB a layer)
+# flex's tiles are the only way the step fits.
+DENSE_SCORES_LIMIT = 1 << 30
+
+
+def dense_scores_bytes(batch: int, queries: int, context: int, heads: int, layers: int) -> int:
+    """The fp32 attention scores a dense-mask step keeps for its backward: every block
+    query against the context and every block's keys, in every head and layer."""
+    return 4 * batch * heads * queries * (context + queries) * layers
+
+
 class DrafterTrainer:
     """Holds the drafter, the frozen head, the optimizer and the scheduler.
 
@@ -131,7 +145,6 @@ class DrafterTrainer:
         self.drafter, self.head, self.obj = drafter, head, objective
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.device = next(drafter.parameters()).device
-        self.use_flex = self.device.type == "cuda"
         self.sliding_window = drafter.config.sliding_window  # None unless some layer slides
         self.sliding_causal = drafter.config.sliding_causal
         self.autocast = (
@@ -189,7 +202,9 @@ class DrafterTrainer:
         return StepStats.zeros(self.obj.block_size, self.device)
 
     def _mask_parts(self, anchors: torch.Tensor, position_ids: torch.Tensor) -> dict[str, MaskParts]:
-        """The micro-batch's attention masks (a sliding layer's too) as plain tensors.
+        """The micro-batch's attention masks (a sliding layer's too) as plain tensors: on
+        CUDA ``BlockMask``s for flex attention, except in an eager step whose dense scores
+        stay small (:data:`DENSE_SCORES_LIMIT`); on the CPU dense masks.
 
         They are built outside the step's compiled graph and enter it as inputs, the
         layout measured right on the H200: built inside, Inductor gave a block count a
@@ -197,11 +212,15 @@ class DrafterTrainer:
         the indices contiguous either way). On CUDA this is a small compiled graph of its
         own: evaluated eagerly, the mask's full grid would not fit at long context."""
         obj, seq_len = self.obj, position_ids.shape[1]
+        config = self.drafter.config
+        flex = self.device.type == "cuda" and (self.compiled or dense_scores_bytes(
+            anchors.shape[0], anchors.shape[1] * obj.block_size, seq_len, config.num_attention_heads,
+            config.num_layers) > DENSE_SCORES_LIMIT)
         # One sample per row: no sample starts (each would be 0), one captured tensor fewer
         starts = sample_starts(anchors, position_ids) if obj.packed else None
-        parts = {FULL: mask_parts(build_mask(anchors, seq_len, obj.block_size, self.use_flex, starts=starts))}
+        parts = {FULL: mask_parts(build_mask(anchors, seq_len, obj.block_size, flex, starts=starts))}
         if self.sliding_window is not None:  # sliding layers take a second, windowed mask
-            parts[SLIDING] = mask_parts(build_mask(anchors, seq_len, obj.block_size, self.use_flex,
+            parts[SLIDING] = mask_parts(build_mask(anchors, seq_len, obj.block_size, flex,
                                                    self.sliding_window, starts, self.sliding_causal))
         return parts
 
@@ -296,7 +315,7 @@ class DrafterTrainer:
     def warmup(self, batches: list[tuple[MicroBatch, PrefillOutput]]) -> None:
         """Compile (and record) every shape before data flows. CUDAGraph Trees warms a
         graph up, records it, then replays, so each shape runs three times; eager on
-        CUDA still compiles flex_attention and the mask once per shape. The
+        CUDA still compiles flex_attention once per shape too large to attend densely. The
         gradients and statistics are thrown away; no weight changes."""
         calls = 3 if self.cuda_graphs else 1
         for batch, prefill in batches:

@@ -144,13 +144,13 @@ def test_reduce_overhead_equals_eager_with_accumulation(attention):
     base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16, **attention).cuda()
     settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
     eager, graphed = _trainer(copy.deepcopy(base), None), _trainer(copy.deepcopy(base), settings)
-    eager.use_flex = False  # the reference: dense attention, eager
+    # the reference: eager over the dense mask (an eager step this small attends densely, DENSE_SCORES_LIMIT)
     spec = AnchorSpec(8, 0)
     data = {
         s: [(random_batch(2, s, 96, spec, seed=i), random_prefill(2, s, 768, torch.bfloat16, 4, 96, "cuda")) for i in range(10)]
         for s in (128, 256)
     }
-    for trainer in (eager, graphed):  # the eager step compiles flex_attention per shape
+    for trainer in (eager, graphed):
         trainer.warmup([data[128][0], data[256][0]])
     guard = CompileGuard(strict=True)
     guard.arm()
@@ -348,7 +348,7 @@ def check_packed_sliding_steps(hidden: int) -> None:
     base = tiny_drafter(hidden=hidden, layer_ids=(1, 2, 3), block_size=16, **SLIDING_LAYER).cuda()
     settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True, warmup_turns=1)
     eager, graphed = _trainer(copy.deepcopy(base), None, True), _trainer(copy.deepcopy(base), settings, True)
-    eager.use_flex = False  # the reference: dense attention, eager
+    # the reference: eager over the dense mask (an eager step this small attends densely, DENSE_SCORES_LIMIT)
     data = packed_micro_batches(9, hidden=hidden)
     for trainer in (eager, graphed):
         trainer.warmup([data[0]])

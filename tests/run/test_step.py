@@ -1,12 +1,14 @@
 """The loss is normalised over the whole optimizer step, never per micro-batch."""
 
 import copy
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import flat_grads, tiny_drafter, tiny_head
 
+import dflash.run.step as step_module
 from dflash.data.bundle import MicroBatch
 from dflash.model.drafter import FULL, SLIDING
 from dflash.model.target import PrefillOutput
@@ -15,9 +17,11 @@ from dflash.objective.config import ObjectiveConfig
 from dflash.objective.masks import build_mask
 from dflash.run.checkpoint import save_checkpoint
 from dflash.run.step import (
+    DENSE_SCORES_LIMIT,
     DrafterTrainer,
     build_optimizer,
     cosine_schedule,
+    dense_scores_bytes,
 )
 
 BS = 4
@@ -189,3 +193,29 @@ def test_training_reduces_loss_on_a_fixed_batch():
         t.micro_step(mb, pf)
         losses.append(t.finish()["loss"])
     assert losses[-1] < losses[0]
+
+
+def test_an_eager_cuda_step_attends_densely_where_its_scores_stay_small(monkeypatch):
+    """Flex attention compiles a kernel pair per shape; an eager GPU step at small shapes
+    takes the dense mask, which compiles nothing, and a compiled one always flex's."""
+    trainer = make_trainer(tiny_drafter(block_size=BS))
+    trainer.device = types.SimpleNamespace(type="cuda")  # _mask_parts reads only the device's type
+    anchors = torch.tensor([[3, 20], [5, 40]])
+    positions = torch.arange(64).expand(2, 64)
+    config = trainer.drafter.config
+    scores = dense_scores_bytes(2, 2 * BS, 64, config.num_attention_heads, config.num_layers)
+    assert scores == 4 * 2 * config.num_attention_heads * (2 * BS) * (64 + 2 * BS) * config.num_layers
+    assert len(trainer._mask_parts(anchors, positions)[FULL]) == 1  # dense: one bool tensor
+    monkeypatch.setattr(step_module, "DENSE_SCORES_LIMIT", scores - 1)
+    assert len(trainer._mask_parts(anchors, positions)[FULL]) > 1  # a BlockMask's block indices
+    monkeypatch.setattr(step_module, "DENSE_SCORES_LIMIT", 1 << 40)
+    trainer.compiled = True
+    assert len(trainer._mask_parts(anchors, positions)[FULL]) > 1
+    trainer.device = torch.device("cpu")
+    assert len(trainer._mask_parts(anchors, positions)[FULL]) == 1
+
+
+def test_the_paper_shapes_are_too_large_to_attend_densely_and_the_demo_small():
+    paper = dense_scores_bytes(2, 512 * 16, 3072, 32, 5)
+    demo = dense_scores_bytes(8, 16 * 16, 320, 4, 5)
+    assert paper > 100 * DENSE_SCORES_LIMIT and demo < DENSE_SCORES_LIMIT / 10
