@@ -82,11 +82,22 @@ def measure_speed(target_model: nn.Module, drafter: DFlashDrafter, head: TargetH
         r["speedup"] = round(r["tokens_per_s"] / alone_rate[r["batch"]], 3) if r["tokens_per_s"] else None
     return {"rows": rows, "max_new_tokens": max_new_tokens,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "dtype": str(head.embed_weight.dtype).removeprefix("torch."), "cuda_graphs": False}
+            "dtype": str(head.embed_weight.dtype).removeprefix("torch."), "graphs": graphs(device)}
+
+
+def graphs(device: torch.device) -> str:
+    """What replays as CUDA graphs in this loop: on CUDA the target's forwards at decoding
+    shapes (:class:`dflash.decode.slots.SlotCache` records each query length once, and warns
+    of a forward it cannot record), for the target alone and for speculative decoding alike;
+    the prefill and the drafter run eagerly."""
+    if device.type != "cuda":
+        return "eager"
+    return "the target's decoding forwards as CUDA graphs, the prefill and the drafter eager"
 
 
 def format_speed(report: dict) -> str:
-    lines = [f"decoding speed on {report['device']} ({report['dtype']}, {report['max_new_tokens']} new tokens, eager):"]
+    lines = [f"decoding speed on {report['device']} ({report['dtype']}, {report['max_new_tokens']} new tokens, "
+             f"{report['graphs']}):"]
     for r in report["rows"]:
         same = "" if r["same_as_target"] is None else f", {r['same_as_target']}/{r['prompts']} as the target"
         lines.append(f"  {r['mode']:<20} batch {r['batch']:>3}: {r['tokens_per_s']} tokens/s, "
