@@ -25,7 +25,9 @@ demo: install
 # 13 minutes instead of 15; TEST_WORKERS=0 runs them in this process, one after another
 TEST_WORKERS ?= 2
 
+# the fp8 extra too: torchao's float8 training runs on the CPU, so the FP8 tests run here as well
 test: install
+	$(PY) -m pip install -q -e ".[test,fp8]"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not gpu"
 
 test-gpu: install

@@ -38,7 +38,8 @@ from dflash.model.drafter import (
     variant_config,
 )
 from dflash.model.export import init_from
-from dflash.model.target import PrefillOutput, Target, TargetSource
+from dflash.model.fp8 import check_fp8, quantize_prefill
+from dflash.model.target import PrefillOutput, Target, TargetSource, decoder_layers
 from dflash.run.checkpoint import CheckpointMismatch, resume_candidates
 from dflash.run.config import target_source
 from dflash.run.layout import LayoutChoice, choose_layout
@@ -94,6 +95,7 @@ def build_job(cfg: DictConfig, world_size: int | None = None) -> Job:
     device, dtype = pick_device()
     compile_settings = resolve_settings(OmegaConf.to_container(cfg.compile), device, len(plan.buckets))
     k = int(cfg.target.get("tensor_parallel", 1))
+    check_fp8_settings(cfg, device, k)
     if k > 1:
         check_tensor_parallel(cfg, k)
         tensor_parallel.check_transformers()
@@ -108,6 +110,19 @@ def build_job(cfg: DictConfig, world_size: int | None = None) -> Job:
     plan, choice = choose_layout(layout, plan, models, planned_world_size(cfg) if world_size is None else world_size)
     return Job(cfg, source, target_config, tokenizer, plan, drafter_cfg, settings, device, dtype, compile_settings,
                layout, choice, k)
+
+
+def check_fp8_settings(cfg: DictConfig, device: torch.device, k: int) -> None:
+    """``train.fp8`` and ``target.fp8`` where they cannot run, refused before anything loads
+    (a dry run plans them for any device)."""
+    if cfg.target.fp8 and k > 1:
+        raise ValueError(f"target.fp8=true quantizes a whole target's layers, and target.tensor_parallel={k} shards "
+                         "them: set one of the two back")
+    if cfg.dry_run:
+        return
+    for key, on in (("train.fp8", cfg.train.fp8), ("target.fp8", cfg.target.fp8)):
+        if on:
+            check_fp8(key, device)
 
 
 def check_tensor_parallel(cfg: DictConfig, k: int) -> None:
@@ -300,6 +315,10 @@ def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> Targe
         log.info("target sharded over ranks %s with transformers' tensor-parallel plan",
                  dist.get_process_group_ranks(group))
     target = Target(model, list(plan.layer_ids))
+    if job.cfg.target.fp8:
+        count = quantize_prefill(decoder_layers(model))
+        log.info("target.fp8: %d linear layers of the target's decoder layers prefill in FP8 (weights per output "
+                 "channel, activations per token; torchao)", count)
     if plan.packing:
         prepare_packing(target, job.device, job.dtype)
     dataset = reading.result()
@@ -334,8 +353,12 @@ def build_trainer(job: Job, head: TargetHead, steps: int) -> DrafterTrainer:
     optimizer = build_optimizer(drafter, train.lr, train.weight_decay, tuple(train.betas))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_schedule(steps, train.warmup_ratio, train.min_lr_ratio))
     autocast = job.dtype if job.device.type == "cuda" else None
-    return DrafterTrainer(drafter, head, replace(job.plan.objective, total_steps=steps), optimizer, scheduler,
-                          train.grad_clip, autocast, job.compile)
+    trainer = DrafterTrainer(drafter, head, replace(job.plan.objective, total_steps=steps), optimizer, scheduler,
+                             train.grad_clip, autocast, job.compile, fp8=bool(train.fp8))
+    if trainer.fp8_layers:
+        log.info("train.fp8: %d linear layers train with FP8 matmuls at rowwise scaling (torchao)",
+                 len(trainer.fp8_layers))
+    return trainer
 
 
 def warm_drafter(plan: Plan, trainer: DrafterTrainer, dtype: torch.dtype, buckets: tuple[int, ...]) -> None:

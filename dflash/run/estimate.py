@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 from dflash.data.bundle import MicroBatch, shapes
 from dflash.data.dataset import synthetic_lengths
 from dflash.model.drafter import FULL, DFlashDrafter, DrafterConfig
+from dflash.model.fp8 import fp8_shaped
 from dflash.model.target import decoder_layers
 from dflash.objective.anchors import sample_starts
 from dflash.run.plan import Plan
@@ -111,6 +112,13 @@ def dflash2_flops(d: DrafterConfig, num_anchors: int) -> float:
         + 4 * k * h * td
         + 6 * h * r * td + 12 * k * r * td
     )
+
+
+def fp8_linear_params(modules: list[torch.nn.Module]) -> int:
+    """The weights of the linear layers in ``modules`` that FP8 matmuls take
+    (:func:`dflash.model.fp8.fp8_shaped`)."""
+    return sum(m.weight.numel() for module in modules for m in module.modules()
+               if isinstance(m, torch.nn.Linear) and fp8_shaped(m))
 
 
 def _prefill_layers(model: torch.nn.Module, with_head: bool, layer_ids: list[int]) -> int:
@@ -274,9 +282,12 @@ def role_costs(settings: LayoutSettings, plan: Plan, micro_batch_size: int,
     bundle = bundle_bytes(plan, micro_batch_size, dtype)
     micro, h = micro_batch_size, text.hidden_size
     tokens = micro * seq_len
+    # target.fp8: the decoder layers' linear weights in one byte each (their per-channel scales,
+    # 4 bytes a row, are a few MB)
+    fp8_weights = fp8_linear_params(decoder_layers(target)) if settings.fp8_target and cuda_plan else 0
     target_gib = {
         # a tensor-parallel rank holds 1/k of every weight (norms and routers, a few MB, whole)
-        "weights": target_params * dtype_bytes / k / GIB,
+        "weights": (target_params * dtype_bytes - fp8_weights * (dtype_bytes - 1)) / k / GIB,
         # one decoder layer's working set at a time (its sharded MLP width 1/k), the captured
         # features, and the logits for the KL (gathered whole on every rank of a group)
         "activations": tokens * (6 * h + 3 * text.intermediate_size / k) * dtype_bytes / GIB
@@ -310,8 +321,15 @@ def role_costs(settings: LayoutSettings, plan: Plan, micro_batch_size: int,
         * dtype_bytes / GIB
         + 2 * min(plan.objective.chunk_size, queries) * text.vocab_size * 4 / GIB,
     }
+    if settings.fp8_drafter and cuda_plan:
+        # train.fp8: each linear weight cast to FP8 twice a step (rowwise for the forward, and along
+        # the other side for the input gradient), a byte each
+        drafter_gib["FP8 casts of the weights"] = 2 * fp8_linear_params([drafter]) / GIB
     target_rate, drafter_rate, rates_from = _rates(settings, plan, (t_flops, t_attention), (d_flops, d_attention),
                                                    cuda_plan)
+    fp8 = [name for name, on in (("train.fp8", settings.fp8_drafter), ("target.fp8", settings.fp8_target)) if on]
+    if fp8 and rates_from and settings.rates_report is None:
+        rates_from += f" (FP8's rates are not measured yet: {' and '.join(fp8)} counted at bf16's)"
     return Cost(plan.batch_size, micro, target_params, drafter_params, head_params, bundle, target_gib,
                 drafter_gib, settings.device_gib, t_flops, d_flops, target_rate, drafter_rate, rates_from, k,
                 attention_from)

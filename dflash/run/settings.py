@@ -158,6 +158,8 @@ class LayoutSettings:
     live_every: int  # evaluations while training every so many steps; 0: none
     tensor_parallel: int  # target ranks per target replica
     target: str  # "name (path)", for the plan's first line
+    fp8_drafter: bool = False  # train.fp8: the drafter's linear layers in FP8
+    fp8_target: bool = False  # target.fp8: the prefill's decoder layers in FP8
 
     def for_cuda(self, world_size: int) -> bool:
         """Whether the plan is for GPUs (bf16 weights, H200 rates) or the CPU (float32, no
@@ -205,4 +207,6 @@ def layout_settings(cfg: DictConfig, *, flash: bool, tensor_parallel: int, live_
         live_every=live_every,
         tensor_parallel=tensor_parallel,
         target=f"{cfg.target.name} ({target_path})",
+        fp8_drafter=bool(train.fp8),
+        fp8_target=bool(cfg.target.fp8),
     )

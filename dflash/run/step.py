@@ -21,6 +21,7 @@ from torch import nn
 from dflash.compile import CompileSettings, FixedAddresses
 from dflash.data.bundle import MicroBatch
 from dflash.model.drafter import FULL, SLIDING, DFlashDrafter, TargetHead, drafted
+from dflash.model.fp8 import train_in_fp8
 from dflash.model.linear import Linear
 from dflash.model.target import PrefillOutput
 from dflash.objective.anchors import make_blocks, sample_starts
@@ -141,6 +142,7 @@ class DrafterTrainer:
         grad_clip: float,
         autocast_dtype: torch.dtype | None,
         compile_settings: CompileSettings | None = None,
+        fp8: bool = False,
     ):
         self.drafter, self.head, self.obj = drafter, head, objective
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
@@ -152,6 +154,8 @@ class DrafterTrainer:
         )
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.compute = compute_copy(drafter, autocast_dtype) if autocast_dtype is not None else drafter
+        # train.fp8: the compute copy's linear layers become torchao's, sharing their weights
+        self.fp8_layers = train_in_fp8(self.compute) if fp8 else []
         self.compute_params = [p for p in self.compute.parameters() if p.requires_grad]
         if drafter.config.block_size != objective.block_size:
             raise ValueError(f"drafter block size {drafter.config.block_size} != loss block size {objective.block_size}")

@@ -16,6 +16,7 @@ from dflash.compile import CompileGuard, CompileSettings
 from dflash.data.bundle import random_batch, random_prefill, to_device
 from dflash.distributed.protocol import free_port
 from dflash.model.drafter import FULL, SLIDING
+from dflash.model.fp8 import fp8_unsupported
 from dflash.objective.anchors import (
     AnchorSpec,
     sample_anchors,
@@ -118,13 +119,14 @@ def test_flex_backward_equals_dense_per_parameter_in_float32(anchors, hidden, mo
                     f"flex's eager path: {max(off(math).values()):.2e}")
 
 
-def _trainer(drafter, settings, packed: bool = False, autocast: torch.dtype | None = torch.bfloat16):
+def _trainer(drafter, settings, packed: bool = False, autocast: torch.dtype | None = torch.bfloat16,
+             fp8: bool = False):
     hidden = drafter.config.hidden_size
     opt = build_optimizer(drafter, 1e-3, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
     obj = ObjectiveConfig(block_size=16, mask_token_id=95, gamma=7.0, kl_weight=0.3, chunk_size=256, packed=packed)
     head = tiny_head(hidden=hidden).cuda()
-    return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, autocast, settings)
+    return DrafterTrainer(drafter, head, obj, opt, sched, 1.0, autocast, settings, fp8=fp8)
 
 
 def assert_same_gradients(reference, trainer, tolerance: float = 5e-2) -> None:
@@ -450,3 +452,79 @@ def test_top_k_of_rows_equals_topk_at_the_lm_heads_width():
         assert torch.equal(values, expected)
         assert torch.equal(x.gather(1, ids), expected)
         assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
+
+
+needs_fp8 = pytest.mark.skipif(not torch.cuda.is_available() or fp8_unsupported(torch.device("cuda")) is not None,
+                               reason="FP8 matmuls need compute capability 8.9+ and torchao")
+
+
+@needs_fp8
+def test_an_fp8_step_replays_its_cuda_graphs_and_trains_as_the_bf16_step():
+    """train.fp8 under reduce-overhead against the bf16 step, both from the same weights
+    each step (the bf16 masters copied over after every update): the loss within 1%, the
+    accumulated gradient within 10% (rowwise e4m3, the CPU test's tolerance), and no
+    recompile, CUDA-graph skip or graph recorded again after warmup."""
+    torch._dynamo.reset()
+    base = tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda()
+    settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True,
+                               warmup_turns=1)
+    bf16, fp8 = _trainer(copy.deepcopy(base), settings), _trainer(copy.deepcopy(base), settings, fp8=True)
+    assert fp8.fp8_layers
+    data = [(random_batch(2, 256, 96, AnchorSpec(8, 0), seed=i), random_prefill(2, 256, 768, torch.bfloat16, 4, 96,
+                                                                                  "cuda")) for i in range(9)]
+    for trainer in (bf16, fp8):
+        trainer.warmup([data[0]])
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    for step in range(4):
+        for trainer in (bf16, fp8):
+            for micro in range(2):
+                trainer.micro_step(*data[1 + 2 * step + micro])
+        off = float((flat_grads(fp8) - flat_grads(bf16)).norm() / flat_grads(bf16).norm())
+        assert 1e-3 < off < 0.1
+        ours, theirs = fp8.finish(), bf16.finish()
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-2)
+        fp8.drafter.load_state_dict(bf16.drafter.state_dict())
+        fp8.refresh()
+        assert guard.check(f"step {step}") == {"recompiles": 0, "cudagraph_skips": 0, "cudagraph_rerecords": 0}
+
+
+@needs_fp8
+def test_an_fp8_run_resumes_exactly_on_the_gpu(tmp_path):
+    from dflash.run.checkpoint import save_checkpoint
+
+    torch._dynamo.reset()
+    settings = CompileSettings(drafter=True, target=False, backend="inductor", mode="reduce-overhead", strict=True,
+                               warmup_turns=1)
+    data = [(random_batch(2, 256, 96, AnchorSpec(8, 0), seed=i), random_prefill(2, 256, 768, torch.bfloat16, 4, 96,
+                                                                                  "cuda")) for i in range(4)]
+    continuing = _trainer(tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16).cuda(), settings, fp8=True)
+    continuing.warmup([data[0]])
+    continuing.micro_step(*data[1])
+    continuing.finish()
+    path = save_checkpoint(tmp_path, 1, continuing.drafter, continuing.optimizer, continuing.scheduler, keep=1)
+    resumed = _trainer(tiny_drafter(hidden=256, layer_ids=(1, 2, 3), block_size=16, seed=5).cuda(), settings,
+                       fp8=True)
+    resumed.warmup([data[0]])
+    assert resumed.restore(path) == 1
+    for trainer in (continuing, resumed):
+        trainer.micro_step(*data[2])
+    assert continuing.finish()["loss"] == resumed.finish()["loss"]
+
+
+@needs_fp8
+def test_an_fp8_prefill_captures_the_bf16_features_to_fp8_precision():
+    """target.fp8: the decoder layers' weights per output channel, activations per token;
+    the captured features and the logits within a few percent of the bf16 prefill's."""
+    from helpers import tiny_target
+
+    from dflash.model.fp8 import quantize_prefill
+    from dflash.model.target import Target, decoder_layers
+
+    model = tiny_target(num_layers=4, hidden=512).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, 96, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    bf16 = Target(model, [0, 2]).prefill(ids, 4)
+    assert quantize_prefill(decoder_layers(model)) == 4 * 7
+    fp8 = Target(model, [0, 2]).prefill(ids, 4)
+    off = float((fp8.features.float() - bf16.features.float()).norm() / bf16.features.float().norm())
+    assert 1e-4 < off < 0.05
