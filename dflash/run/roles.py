@@ -222,8 +222,8 @@ def run_target_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     startup.mark("the target and the data")
     if topo.rank == 0:
         check_evaluation(settings, side)
-    data, _ = schedule(side, plan.total_steps(side.order))
-    steps = proto.agree_steps(plan.total_steps(side.order), data)
+    steps = plan.total_steps(side.order)
+    steps = proto.agree_steps(steps, schedule(side, steps)[0] if topo.rank == 0 else None)
     job, buckets = weigh_compile(job, steps, tuple(proto.data_summary()["buckets"]))
     if job.compile.target:
         side.target.compile(job.compile)
