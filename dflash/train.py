@@ -64,7 +64,8 @@ def dry_run(cfg: DictConfig) -> dict:
 def describe(job: Job) -> str:
     """The layout's cost, and on several ranks the layouts open to it."""
     text = format_layout(job.layout_settings, job.plan, job.layout)
-    if job.cfg.compile.enabled == "auto":
+    if job.cfg.compile.enabled == "auto" and (job.cfg.dry_run or job.device.type == "cuda"):
+        # a run on the CPU says what it compiles once it starts (nothing, under auto)
         text += "\n  " + break_even(job.plan, job.layout.taken)
     if job.layout.taken.world_size > 1:
         text += "\n" + format_options(job.layout.options, job.layout.targets, job.plan.micro_batch_size,
