@@ -81,3 +81,20 @@ def test_a_run_compiles_only_the_buckets_its_micro_batches_meet(tmp_path):
     assert 0 < len(met) < 5 and set(met) <= {128, 192, 256, 320, 512}
     warmup = json.loads((out / "warmup.json").read_text())[0]
     assert warmup["graphs"] == 2 * len(met)  # the drafter step and its mask, per bucket met
+
+
+def test_the_data_read_beside_the_target_raises_its_own_error_on_the_main_thread():
+    import threading
+
+    from dflash.run.build import InBackground
+
+    seen = []
+
+    def read() -> int:
+        seen.append(threading.current_thread() is threading.main_thread())
+        raise FileNotFoundError("data.path=/absent: no such file")
+
+    with pytest.raises(FileNotFoundError, match="data.path=/absent"):
+        InBackground(read, "dflash-data").result()
+    assert seen == [False]
+    assert InBackground(lambda: 7, "dflash-data").result() == 7
