@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import tiny_drafter, tiny_head
 
+from dflash.compile import CompileGuard, CompileSettings
 from dflash.data.bundle import random_batch, random_prefill
 from dflash.model.export import load_export, save_export
 from dflash.model.fp8 import check_fp8, fp8_shaped, train_in_fp8
@@ -24,12 +25,13 @@ pytest.importorskip("torchao")
 BS = 4
 
 
-def trainer(drafter, fp8: bool) -> DrafterTrainer:
+def trainer(drafter, fp8: bool, settings: CompileSettings | None = None) -> DrafterTrainer:
     """bf16 compute weights over fp32 masters, as on a GPU (autocast on the CPU)."""
     opt = build_optimizer(drafter, 1e-2, 0.0, (0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, cosine_schedule(10, 0.0, 0.0))
     obj = ObjectiveConfig(block_size=BS, mask_token_id=95, gamma=7.0)
-    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1e9, autocast_dtype=torch.bfloat16, fp8=fp8)
+    return DrafterTrainer(drafter, tiny_head(), obj, opt, sched, grad_clip=1e9, autocast_dtype=torch.bfloat16,
+                          compile_settings=settings, fp8=fp8)
 
 
 def micro_batches(step: int) -> list:
@@ -130,3 +132,22 @@ def test_a_layer_the_fp8_gemm_cannot_take_stays_in_bf16(caplog):
     model = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(128, 40, bias=False))
     assert train_in_fp8(model) == ["0"]
     assert type(model[1]) is torch.nn.Linear and "stay in bf16" in caplog.text
+
+
+def test_the_fp8_step_compiles_as_one_graph_equal_to_eager():
+    """torchao's layers inside the compiled step (fullgraph, strict): no graph break, no
+    recompile after warmup, and the compiled step is the eager one (aot_eager on the CPU;
+    Inductor and CUDA graphs are the GPU test's)."""
+    settings = CompileSettings(drafter=True, target=False, backend="aot_eager", mode=None, strict=True, warmup_turns=1)
+    base = tiny_drafter(block_size=BS)
+    eager, compiled = trainer(copy.deepcopy(base), fp8=True), trainer(copy.deepcopy(base), fp8=True, settings=settings)
+    data = micro_batches(0)
+    compiled.warmup([data[0]])
+    guard = CompileGuard(strict=True)
+    guard.arm()
+    for t in (eager, compiled):
+        for micro in data:
+            t.micro_step(*micro)
+    assert torch.equal(torch.cat([g.flatten() for g in compiled.grads]), torch.cat([g.flatten() for g in eager.grads]))
+    assert guard.check("fp8") == {"recompiles": 0, "cudagraph_skips": 0, "cudagraph_rerecords": 0}
+    assert eager.finish()["loss"] == compiled.finish()["loss"]
