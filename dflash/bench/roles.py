@@ -22,12 +22,12 @@ from dflash.data.dataset import synthetic_dataset
 from dflash.data.order import collate
 from dflash.device import peak_memory_gib, synchronize
 from dflash.model.drafter import TargetHead
-from dflash.model.fp8 import quantize_prefill
-from dflash.model.target import PrefillOutput, Target, decoder_layers, random_target
+from dflash.model.target import PrefillOutput, Target, random_target
 from dflash.run.build import (
     Job,
     build_trainer,
     prepare_packing,
+    quantize_target,
     warm_drafter,
 )
 from dflash.run.checkpoint import CheckpointWriter, checkpoints
@@ -137,8 +137,7 @@ class RoleBench:
         else:
             self.batches = [random_batch(self.micro, self.seq_len, vocab, plan.anchor_spec(), seed=i) for i in range(2)]
         self.target = Target(self.model, list(plan.layer_ids))
-        if job.cfg.target.fp8:  # the head stays in bf16, as in training
-            quantize_prefill(decoder_layers(self.model))
+        quantize_target(job, self.model)
         if plan.packing:
             prepare_packing(self.target, self.device, self.dtype)
         self.tokens = sum(int(b.lengths.sum()) for b in self.batches) / len(self.batches)  # real tokens per micro-batch

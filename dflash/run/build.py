@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 import torch
@@ -277,28 +278,31 @@ def read_data(job: Job) -> Dataset:
         seed=plan.seed, template_kwargs=cfg.data.chat_template_kwargs), job.tokenizer)
 
 
-class InBackground:
+def in_background(fn: Callable[[], object], name: str) -> Future:
     """``fn()`` on a daemon thread, for work that touches no model: reading and tokenising
-    the data while the main thread loads the target's weights. A daemon, so that an error
-    on the main thread ends the process at once instead of waiting for the data."""
+    the data while the main thread loads the target's weights. Its ``result()`` raises
+    what ``fn`` raised. A daemon rather than an executor's worker, which the interpreter
+    joins at exit: an error on the main thread ends the process at once instead of
+    waiting for the data."""
+    future: Future = Future()
 
-    def __init__(self, fn: Callable[[], object], name: str):
-        self._value: object = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], object]) -> None:
+    def run() -> None:
         try:
-            self._value = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread by result()
-            self._error = e
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - raised on the main thread by result()
+            future.set_exception(e)
 
-    def result(self) -> object:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
+def quantize_target(job: Job, model: nn.Module) -> None:
+    """``target.fp8``: the decoder layers' linear layers in FP8; the embedding and LM head,
+    which the drafter reads, stay bf16."""
+    if job.cfg.target.fp8:
+        count = quantize_prefill(decoder_layers(model))
+        log.info("target.fp8: %d linear layers of the target's decoder layers prefill in FP8 (weights per output "
+                 "channel, activations per token; torchao)", count)
 
 
 def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> TargetSide:
@@ -307,7 +311,7 @@ def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> Targe
     the weights load; the target's layers are compiled later, once the run has weighed
     the compile (:func:`dflash.run.warmup.choose_warmup`)."""
     plan = job.plan
-    reading = InBackground(lambda: read_data(job), "dflash-data")
+    reading = in_background(lambda: read_data(job), "dflash-data")
     if group is None:
         model = job.source.model(job.device, job.dtype)
     else:
@@ -315,10 +319,7 @@ def build_target_side(job: Job, group: dist.ProcessGroup | None = None) -> Targe
         log.info("target sharded over ranks %s with transformers' tensor-parallel plan",
                  dist.get_process_group_ranks(group))
     target = Target(model, list(plan.layer_ids))
-    if job.cfg.target.fp8:
-        count = quantize_prefill(decoder_layers(model))
-        log.info("target.fp8: %d linear layers of the target's decoder layers prefill in FP8 (weights per output "
-                 "channel, activations per token; torchao)", count)
+    quantize_target(job, model)
     if plan.packing:
         prepare_packing(target, job.device, job.dtype)
     dataset = reading.result()

@@ -304,12 +304,13 @@ def run_drafter_rank(job: Job, topo: Topology, proto: Protocol) -> dict:
     is_metrics = topo.rank == topo.metrics_rank
     head = job.source.head(device, job.dtype)
     steps = proto.agree_steps(None)
-    job, buckets = weigh_compile(job, steps, tuple(proto.data_summary()["buckets"]))
+    data = proto.data_summary()
+    job, buckets = weigh_compile(job, steps, tuple(data["buckets"]))
     drafting = build_drafter_side(job, head, steps, proto, logs=is_metrics)
     startup.mark("the head, the drafter and its checkpoint")
     trainer, steps, metrics = drafting.trainer, drafting.steps, drafting.metrics
     if is_metrics:
-        metrics.log_data(proto.data_summary())
+        metrics.log_data(data)
     warm_in_turn(job, topo, proto, lambda: warm_drafter(plan, trainer, job.dtype, buckets))
     startup.mark("the compile warmup")
     garbage.settle()

@@ -86,7 +86,7 @@ def test_a_run_compiles_only_the_buckets_its_micro_batches_meet(tmp_path):
 def test_the_data_read_beside_the_target_raises_its_own_error_on_the_main_thread():
     import threading
 
-    from dflash.run.build import InBackground
+    from dflash.run.build import in_background
 
     seen = []
 
@@ -95,6 +95,6 @@ def test_the_data_read_beside_the_target_raises_its_own_error_on_the_main_thread
         raise FileNotFoundError("data.path=/absent: no such file")
 
     with pytest.raises(FileNotFoundError, match="data.path=/absent"):
-        InBackground(read, "dflash-data").result()
+        in_background(read, "dflash-data").result()
     assert seen == [False]
-    assert InBackground(lambda: 7, "dflash-data").result() == 7
+    assert in_background(lambda: 7, "dflash-data").result() == 7
