@@ -37,7 +37,7 @@ TRAIN_ARGS=("${TARGET_ARGS[@]}" data.path="$WORK/regen.jsonl" train=paper train.
 echo "== plan ($NGPU GPU(s))"
 "$PY" -m dflash.train "${TARGET_ARGS[@]}" data.path="$PROMPTS" train=paper train.epochs="$EPOCHS" "${TRAIN_EXTRA[@]}" \
     dry_run=true estimate.nproc="$(( NGPU > 1 ? NGPU : 1 ))" | tee "$WORK/plan.txt"
-"$PY" recipes/hours.py --data "$PROMPTS" --epochs "$EPOCHS" --gpus "$NGPU" < "$WORK/plan.txt" | tee -a "$WORK/plan.txt"
+"$PY" -m recipes.hours --data "$PROMPTS" --epochs "$EPOCHS" --gpus "$NGPU" < "$WORK/plan.txt" | tee -a "$WORK/plan.txt"
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
 
 echo "== regenerate the replies with the target"

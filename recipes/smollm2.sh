@@ -39,26 +39,34 @@ if [ ! -f "$TARGET_DIR/config.json" ]; then
   "$PY" -m dflash.get smollm2 --out "$TARGET_DIR" ${GGUF:+--gguf "$GGUF"}
 fi
 
+step "the plan"
+# before anything costly: a dry run reads no data, and the prompts to come are at most the code
+# tasks, the demo prompts and one question per request, each regenerated twice (greedy, sampled)
+REPEATS=${REPEATS:-3}
+MAX_TASKS=${MAX_TASKS:-4000}
+DEMO=${DEMO:-300}
+"$PY" -m dflash.train "${TARGET_ARGS[@]}" train=smollm2 train.epochs="$EPOCHS" "${TRAIN_EXTRA[@]}" dry_run=true \
+    | tee "$WORK/plan.txt"
+REQUESTS=$("$PY" -c 'from dflash.prompts import ASKERS, TOPICS; print(len(ASKERS) * len(TOPICS))')
+"$PY" -m recipes.hours --samples "$(( 2 * (MAX_TASKS + DEMO + REPEATS * REQUESTS) ))" \
+    --epochs "$EPOCHS" --gpus 1 < "$WORK/plan.txt" | tee -a "$WORK/plan.txt"
+[ "${DRY_RUN:-0}" = 1 ] && exit 0
+
 step "the prompts: code tasks from docstrings, questions the target writes, demo prompts"
 if [ ! -f "$WORK/prompts/train.jsonl" ]; then
-  "$PY" -m dflash.prompts ask --out "$WORK/asks.jsonl" --repeats "${REPEATS:-3}"
+  "$PY" -m dflash.prompts ask --out "$WORK/asks.jsonl" --repeats "$REPEATS"
   "$PY" -m dflash.regenerate "${TARGET_ARGS[@]}" data=jsonl data.path="$WORK/asks.jsonl" --out "$WORK/asked.jsonl" \
       --temperature 1.0 --top-p 0.95 --max-new-tokens 64 "${REGEN_EXTRA[@]}"
   "$PY" -m dflash.prompts build --out "$WORK/prompts" --questions "$WORK/asked.jsonl" --tokenizer "$TARGET_DIR" \
-      --max-tasks "${MAX_TASKS:-4000}" --demo "${DEMO:-300}" "${HE_ARGS[@]}"
+      --max-tasks "$MAX_TASKS" --demo "$DEMO" "${HE_ARGS[@]}"
 fi
+# the prompts built: the same line with their count (each regenerated twice)
+"$PY" -m recipes.hours --samples "$(( 2 * $(wc -l < "$WORK/prompts/train.jsonl") ))" --epochs "$EPOCHS" --gpus 1 \
+    < "$WORK/plan.txt" | tee -a "$WORK/plan.txt"
 DATA=(data=jsonl "data.path=[$WORK/regen_greedy.jsonl,$WORK/regen_sampled.jsonl]" data.eval_path="$WORK/prompts/heldout.jsonl")
 TRAIN_ARGS=("${TARGET_ARGS[@]}" "${DATA[@]}" train=smollm2 train.epochs="$EPOCHS" eval.max_new_tokens="$MAX_NEW"
             output_dir="$WORK/run"
             "${TRAIN_EXTRA[@]}")
-
-step "the plan"
-# the plan reads the prompts (replies are not there yet): samples per epoch are twice the prompts
-"$PY" -m dflash.train "${TARGET_ARGS[@]}" data=jsonl data.path="$WORK/prompts/train.jsonl" train=smollm2 \
-    train.epochs="$EPOCHS" "${TRAIN_EXTRA[@]}" dry_run=true | tee "$WORK/plan.txt"
-"$PY" recipes/hours.py --data "$WORK/prompts/train.jsonl" --epochs "$(( 2 * EPOCHS ))" --gpus 1 < "$WORK/plan.txt" \
-    | tee -a "$WORK/plan.txt"
-[ "${DRY_RUN:-0}" = 1 ] && exit 0
 
 step "regenerate the replies with the target, greedy and sampled"
 for mode in greedy sampled; do
@@ -78,5 +86,5 @@ step "score the export on HumanEval (z-lab's format) and on the held-out prompts
 "$PY" -m dflash.eval --target "$TARGET_DIR" --drafter "$WORK/run/export" --data "heldout=$WORK/prompts/heldout.jsonl" \
     --max-new-tokens "$MAX_NEW" --max-prompts 1000 --speed "${SPEED_PROMPTS:-32}" --out "$WORK/eval_heldout.json" \
     "${EVAL_EXTRA[@]}"
-"$PY" recipes/table.py "$WORK" --seconds "$(( $(date +%s) - start ))" | tee "$WORK/table.md"
+"$PY" -m recipes.table "$WORK" --seconds "$(( $(date +%s) - start ))" | tee "$WORK/table.md"
 step "done: $WORK/table.md"

@@ -65,5 +65,5 @@ for v in "${VARIANT_LIST[@]}"; do
       --out "$out/eval_heldout.json" "${EVAL_EXTRA[@]}"
 done
 [ "${DRY_RUN:-0}" = 1 ] && exit 0
-"$PY" recipes/study.py "$WORK/study" --variants "${VARIANT_LIST[@]}" | tee "$WORK/study/study.md"
+"$PY" -m recipes.study "$WORK/study" --variants "${VARIANT_LIST[@]}" | tee "$WORK/study/study.md"
 step "done: $WORK/study/study.md"

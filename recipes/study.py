@@ -3,7 +3,7 @@ per variant tau on HumanEval and on the held-out prompts (z-lab's count), the re
 to the budget, the lossless check and the training time; and ``study.png``, tau of the
 evaluations while training against the samples each variant had seen by then.
 
-    python recipes/study.py runs/smollm2/study [--variants ce kl dflash2 sliding]
+    python -m recipes.study runs/smollm2/study [--variants ce kl dflash2 sliding]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 count), the responses that ran to the budget and tau without them, the lossless check,
 and decoding tokens/s of this loop against the target alone in the same loop.
 
-    python recipes/table.py runs/smollm2 [--seconds S]
+    python -m recipes.table runs/smollm2 [--seconds S]
 """
 
 from __future__ import annotations

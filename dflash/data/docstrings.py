@@ -111,8 +111,9 @@ def documented_in(source: str, module: str) -> Iterator[Documented]:
     except (SyntaxError, ValueError):
         return
     for node in tree.body:
-        name = getattr(node, "name", None)
-        if name is None or name.startswith("_"):
+        # only definitions: other statements may carry a ``name`` that is no string
+        # (``type X = ...``, Python 3.12's ``ast.TypeAlias``, holds an ``ast.Name``)
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name.startswith("_"):
             continue
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             yield from _documented(node, module, node.name, "function")

@@ -256,7 +256,16 @@ def _rates(settings: LayoutSettings, plan: Plan, target: tuple[float, float], dr
     rates = (f"matmuls at {MATMUL_MFU['target']:.1%} of peak in the prefill, {MATMUL_MFU['drafter']:.1%} in the "
              f"drafter step; attention at {ATTENTION_FLOPS[prefill] / 1e12:.0f} and "
              f"{ATTENTION_FLOPS['drafter' + flash] / 1e12:.0f} TFLOP/s{' on FlashAttention-4' if flash else ''}")
-    return target_rate, drafter_rate, f"the rates measured on one H200 ({rates}) at these FLOPs"
+    return target_rate, drafter_rate, f"the rates measured on one H200 ({rates}) at these FLOPs{elsewhere(settings)}"
+
+
+def elsewhere(settings: LayoutSettings) -> str:
+    """Where the visible card is not the H200 whose rates the plan uses, that the figure is
+    extrapolated to it, and how to measure its own."""
+    if settings.card is None or "H200" in settings.card:
+        return ""
+    return (f", extrapolated to this {settings.card}, whose rates are not measured (estimate.rates=REPORT, "
+            "a python -m dflash.bench report of this card, plans from its own)")
 
 
 def role_costs(settings: LayoutSettings, plan: Plan, micro_batch_size: int,

@@ -158,6 +158,7 @@ class LayoutSettings:
     live_every: int  # evaluations while training every so many steps; 0: none
     tensor_parallel: int  # target ranks per target replica
     target: str  # "name (path)", for the plan's first line
+    card: str | None = None  # the visible GPU's name, None without one (the plan names the card its rates are from)
     fp8_drafter: bool = False  # train.fp8: the drafter's linear layers in FP8
     fp8_target: bool = False  # target.fp8: the prefill's decoder layers in FP8
 
@@ -207,6 +208,7 @@ def layout_settings(cfg: DictConfig, *, flash: bool, tensor_parallel: int, live_
         live_every=live_every,
         tensor_parallel=tensor_parallel,
         target=f"{cfg.target.name} ({target_path})",
+        card=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         fp8_drafter=bool(train.fp8),
         fp8_target=bool(cfg.target.fp8),
     )

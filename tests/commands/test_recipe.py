@@ -80,3 +80,12 @@ def test_the_recipe_runs_end_to_end_on_the_demo_target(tmp_path):
     assert [r.split(" | ")[0][2:] for r in rows[2:]] == ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
     assert all(r.endswith("| yes | yes |") for r in rows[2:])
 
+
+
+def test_every_python_step_of_a_recipe_runs_as_a_module():
+    """A script run by path (``python recipes/x.py``) finds ``dflash`` only where the package
+    is installed; ``python -m`` from the checkout's root finds it as the dflash steps do."""
+    steps = [(script.name, line.strip()) for script in sorted((ROOT / "recipes").glob("*.sh"))
+             for line in script.read_text().splitlines() if '"$PY" ' in line and not line.lstrip().startswith("#")]
+    assert len(steps) >= 10
+    assert [s for s in steps if '"$PY" -m ' not in s[1]] == []

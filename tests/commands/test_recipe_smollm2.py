@@ -17,12 +17,14 @@ TINY_TRAIN = ("wandb.mode=disabled train.max_steps=2 train.batch_size=2 train.mi
               "eval.max_prompts=2")
 
 
+RECIPE_ENV = {"MAX_TASKS": "20", "DEMO": "6", "REPEATS": "1", "MAX_NEW": "12", "SAMPLES": "2", "SPEED_PROMPTS": "2",
+              "TRAIN_OVERRIDES": TINY_TRAIN, "REGEN_ARGS": "--keep-truncated --batch-size 8", "EVAL_ARGS": "--device cpu",
+              "HUMANEVAL": str(ROOT / "tests" / "fixtures" / "benchmarks" / "humaneval.jsonl")}
+
+
 def run(tmp_path: Path, script: str = "smollm2.sh", **env: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "TARGET_DIR": str(tmp_path / "target"),
-           "GGUF": str(write_gguf(tiny_llama(), tmp_path / "tiny.gguf")), "MAX_TASKS": "20", "DEMO": "6",
-           "REPEATS": "1", "MAX_NEW": "12", "SAMPLES": "2", "SPEED_PROMPTS": "2", "TRAIN_OVERRIDES": TINY_TRAIN,
-           "REGEN_ARGS": "--keep-truncated --batch-size 8", "EVAL_ARGS": "--device cpu",
-           "HUMANEVAL": str(ROOT / "tests" / "fixtures" / "benchmarks" / "humaneval.jsonl"), **env}
+           "GGUF": str(write_gguf(tiny_llama(), tmp_path / "tiny.gguf")), **RECIPE_ENV, **env}
     return subprocess.run([str(ROOT / "recipes" / script), str(tmp_path / "work")], env=env,
                           capture_output=True, text=True, timeout=400)
 
@@ -54,7 +56,11 @@ def test_a_dry_run_states_the_plan_and_hours_and_trains_nothing(tmp_path):
     out = run(tmp_path, DRY_RUN="1")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cost of smollm2_135m" in out.stdout and "training: " in out.stdout
-    assert not (tmp_path / "work" / "run").exists() and not (tmp_path / "work" / "regen_greedy.jsonl").exists()
+    # before the target answers anything: the prompts are not built, their count is bounded
+    work = tmp_path / "work"
+    assert not (work / "asked.jsonl").exists() and not (work / "prompts").exists() and not (work / "run").exists()
+    bound = 2 * (int(RECIPE_ENV["MAX_TASKS"]) + int(RECIPE_ENV["DEMO"]) + int(RECIPE_ENV["REPEATS"]) * 80 * 5)
+    assert f"training: at most {bound} samples x 6 epochs" in out.stdout
 
 
 def test_the_study_trains_each_variant_on_the_recipes_data_and_plots_tau_against_samples(recipe):

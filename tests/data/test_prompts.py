@@ -2,6 +2,7 @@
 HumanEval (dflash.prompts, dflash.data.docstrings, dflash.data.overlap). The overlap is
 checked again here by a plain loop over every prompt and every HumanEval prompt."""
 
+import ast
 import json
 import re
 import textwrap
@@ -9,6 +10,7 @@ import textwrap
 import pytest
 
 from dflash import prompts
+from dflash.data import docstrings
 from dflash.data.docstrings import documented_in, task
 from dflash.data.overlap import SPAN, BenchmarkGuard, word_tokens
 from dflash.decode.public_sets import humaneval_package_file, load_rows
@@ -70,6 +72,18 @@ def test_documented_public_definitions_become_tasks():
     text = task(found["visible"])
     assert "Combine a and b" in text and text == task(found["visible"])  # the same definition, the same task
     assert list(documented_in("def broken(:\n", "m")) == []
+
+
+def test_a_statement_whose_name_is_not_a_string_is_passed_over(monkeypatch):
+    """Python 3.12's ``type X = ...`` (``ast.TypeAlias``) has a ``name`` that is an
+    ``ast.Name``: the scan passes over every statement that is not a definition."""
+    source = 'type Alias = int\ndef visible(a):\n    """Return a unless it is empty, in which case raise an error."""\n'
+    tree = ast.parse(source.split("\n", 1)[1])
+    alias = ast.Assign(targets=[ast.Name(id="Alias")], value=ast.Name(id="int"))
+    alias.name = ast.Name(id="Alias")  # as ast.TypeAlias carries it
+    tree.body.insert(0, alias)
+    monkeypatch.setattr(docstrings.ast, "parse", lambda text: tree)
+    assert [d.qualname for d in documented_in(source, "m")] == ["visible"]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """dry_run: the plan of a real preset in seconds, with no weights read and nothing written;
 plans that cannot run are refused with the key to change."""
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import dflash.run.build as build_module
+import dflash.run.estimate as estimate_module
 import dflash.run.layout as layout_module
 from dflash.data.bundle import flatten, random_batch, random_prefill
 from dflash.distributed.topology import TopologyError
@@ -342,3 +344,15 @@ def test_an_explicit_micro_batch_is_left_as_given(capsys):
     refused = r"colocated rank needs an estimated 63\.0 GiB.*lower .*train.micro_batch_size"
     with pytest.raises(SystemExit, match=refused):
         printed_plan(capsys, small)
+
+
+@pytest.mark.parametrize(("card", "said"), [(None, False), ("NVIDIA H200", False), ("NVIDIA H100 80GB HBM3", True)])
+def test_a_plan_on_another_card_says_it_extrapolates_the_h200s_rates(card, said):
+    """The plan's rates are one H200's: on any other visible card it says so, naming the card
+    and the way to plan from its own rates."""
+    job = build_job(compose_config([*QWEN3_8B_ROWS, "estimate.device=cuda"]), 1)
+    settings = dataclasses.replace(job.layout_settings, card=card)
+    rates_from = estimate_module._rates(settings, job.plan, (1e12, 1e11), (1e12, 1e11), True)[2]
+    assert rates_from.startswith("the rates measured on one H200")
+    assert ("extrapolated to this NVIDIA H100 80GB HBM3, whose rates are not measured" in rates_from) is said
+    assert ("estimate.rates=REPORT" in rates_from) is said
