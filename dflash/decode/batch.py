@@ -13,12 +13,19 @@ Masked keys get zero attention weight, so each row computes what the batch-1 loo
 computes, up to the rounding of other matrix shapes. With every shape fixed, the target's
 forwards replay as CUDA graphs.
 
+Batch 1 takes this path too: one slot, so a cycle at the size a drafter is served at is
+two recorded forwards and the acceptance on the device. Greedy DFlash drafts come from the
+drafter's forward over every column of the cache, its masks and its argmax recorded with
+it (:func:`slot_drafts`, :meth:`SlotCache.record_drafts`); sampled and DFlash2 drafts are
+drawn per row eagerly. A cycle then waits for the device once, to read what each row kept.
+
 Waiting prompts are prefilled together, right-padded with no mask (under the causal
 mask a prompt's tokens never see the padding after them), up to ``PREFILL_TOKENS``
 padded tokens per forward, and join the batch where finished rows left (continuous
 batching). A target whose cache
 holds layers that cannot give a position back (sliding windows, linear attention:
-:func:`dflash.decode.speculative.croppable`) is decoded one prompt at a time.
+:func:`dflash.decode.speculative.croppable`) is decoded one prompt at a time, in the
+eager batch-1 loop.
 
 The drafter reads each row's whole context every cycle, as in the batch-1 loop, as keys
 and values that the cache keeps per position (:func:`drafter_columns`: computed once, in
@@ -155,6 +162,33 @@ def draft_hidden(drafter: DFlashDrafter, head: TargetHead, cache: SlotCache, row
     return drafter(context, head.embed(block), ctx_positions, block_positions, masks)
 
 
+def graphed_drafts(drafter: DFlashDrafter, temperature: float, block_size: int) -> bool:
+    """Whether a cycle's drafts come from the drafter's recorded forward over every slot
+    (:meth:`SlotCache.record_drafts`): greedy DFlash drafts, an argmax in the forward, where
+    sampling draws per row from each row's generator and DFlash2 walks its candidates."""
+    return temperature == 0 and drafter.config.dflash2 is None and batched_drafter(drafter, block_size)
+
+
+def slot_drafts(drafter: DFlashDrafter, head: TargetHead, cache: SlotCache, mask_token_id: int, block_size: int
+                ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The greedy drafts of every slot from its newest token ``last [slots]`` at ``p [slots]``:
+    the drafter over every column of the cache (the columns a slot does not hold masked), its
+    drafted slots through the target's head, the argmax. Every shape is the cache's, so the
+    forward can be recorded."""
+    offsets = torch.arange(block_size, device=cache.device)
+
+    def draft(last: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        block = torch.full((cache.slots, block_size), mask_token_id, dtype=torch.long, device=cache.device)
+        block[:, 0] = last
+        block_positions = p[:, None] + offsets
+        masks = drafter_masks(drafter, cache.valid, cache.positions, block_positions)
+        hidden = drafter(cached_context(drafter, cache.drafter_kv), head.embed(block), cache.positions,
+                         block_positions, masks)
+        return drafter.draft_logits(head, hidden[:, 1:]).argmax(-1)
+
+    return draft
+
+
 def single(target_model: nn.Module) -> bool:
     """Whether the target's cache must be decoded one prompt at a time: it has layers that
     cannot be cut back per row (:func:`dflash.decode.speculative.croppable`)."""
@@ -225,16 +259,17 @@ def propose_rows(drafter: DFlashDrafter, head: TargetHead, hidden: torch.Tensor,
 
 
 def accept_rows(drafts: torch.Tensor, draft_logits: list[torch.Tensor] | None, target_logits: torch.Tensor,
-                rows: list[Row], temperature: float) -> tuple[list[int], list[int]]:
-    """Drafts kept and the token added after them, per row (:func:`dflash.decode.speculative.accept`;
-    greedy over the whole batch at once)."""
+                rows: list[Row], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts kept and the token added after them, per row, on the device ``[b]``
+    (:func:`dflash.decode.speculative.accept`): greedy over the whole batch at once, with
+    no wait for the device; sampling row by row with each row's generator."""
     if temperature == 0:
         target = target_logits.argmax(-1)
         n = (drafts == target[:, :-1]).cumprod(1).sum(1)
-        return n.tolist(), target.gather(1, n[:, None])[:, 0].tolist()
+        return n, target.gather(1, n[:, None])[:, 0]
     kept = [accept(drafts[i], draft_logits[i], target_logits[i].float(), temperature, generator=r.generator)
             for i, r in enumerate(rows)]
-    return [n for n, _ in kept], [bonus for _, bonus in kept]
+    return torch.tensor(kept, device=drafts.device).unbind(1)
 
 
 def refill(rows: list[Row], cache: SlotCache, pending: list[int], free: list[int], prompts: Sequence[torch.Tensor],
@@ -288,7 +323,7 @@ def speculative_batch_steps(
     every prompt's prefill and every batched drafting cycle."""
     generators = list(generators or [None] * len(prompts))
     batch_size = batch_size or (default_batch_size(prompts[0].device) if prompts else 1)
-    if single(target_model) or batch_size == 1 or len(prompts) < 2:
+    if single(target_model) or not prompts:
         results = []
         for ids, generator in zip(prompts, generators):
             results.append((yield from speculative_steps(
@@ -312,25 +347,28 @@ def speculative_batch_steps(
         for r in done:
             results[r.index] = (truncate(r.tokens, max_new_tokens, eos_ids), r.lengths)
 
+    graphed = graphed_drafts(drafter, temperature, block_size)
     while pending or rows:
         record((yield from refill(rows, cache, pending, free, prompts, start, max_new_tokens, eos_ids)))
         if not rows:
             continue
         rows.sort(key=lambda r: r.slot)  # a full batch then reads its drafter context in place (draft_hidden)
-        hidden = draft_hidden(drafter, head, cache, rows, cfg.mask_token_id, block_size)
-        drafts, draft_logits = propose_rows(drafter, head, hidden[:, 1:], rows, temperature)
-        last = torch.tensor([[r.tokens[-1]] for r in rows], device=device)
-        positions = torch.tensor([r.p for r in rows], device=device)[:, None] + offsets
-        index = torch.tensor([r.slot for r in rows], device=device)
-        logits = cache.forward(index, torch.cat([last, drafts], dim=1), positions)
-        n, bonus = accept_rows(drafts, draft_logits, logits, rows, temperature)
-        cache.keep(index, torch.tensor(n, device=device) + 1, block_size)
-        drafted = drafts.tolist()
+        index, last, p = torch.tensor([[r.slot, r.tokens[-1], r.p] for r in rows], device=device).unbind(1)
+        if graphed:
+            if cache.drafting is None:  # the context buffers exist from the first join on
+                cache.record_drafts(slot_drafts(drafter, head, cache, cfg.mask_token_id, block_size))
+            drafts, draft_logits = cache.draft(index, last, p), None
+        else:
+            hidden = draft_hidden(drafter, head, cache, rows, cfg.mask_token_id, block_size)
+            drafts, draft_logits = propose_rows(drafter, head, hidden[:, 1:], rows, temperature)
+        logits = cache.forward(index, torch.cat([last[:, None], drafts], dim=1), p[:, None] + offsets)
+        kept, bonus = accept_rows(drafts, draft_logits, logits, rows, temperature)
+        cache.keep(index, kept + 1, block_size)
         over = []
-        for i, r in enumerate(rows):
-            new = drafted[i][: n[i]] + [bonus[i]]
+        for r, (n, *drafted) in zip(rows, torch.cat([kept[:, None], drafts, bonus[:, None]], dim=1).tolist()):
+            new = drafted[:n] + [drafted[-1]]  # the kept drafts, then the bonus
             r.tokens += new
-            r.p += n[i] + 1
+            r.p += n + 1
             r.lengths.append(cycle_length(new, eos_ids))
             over.append(finished(r, new, max_new_tokens, eos_ids))
         yield "drafting cycle"
@@ -350,7 +388,7 @@ def greedy_batch_steps(
     (None: :func:`default_batch_size`) at a time: one target forward of one token per row
     per step. Pauses after every prompt's prefill and every step."""
     batch_size = batch_size or (default_batch_size(prompts[0].device) if prompts else 1)
-    if single(target_model) or batch_size == 1 or len(prompts) < 2:
+    if single(target_model) or not prompts:
         results = []
         for ids in prompts:
             results.append((yield from greedy_steps(target_model, ids, max_new_tokens, eos_ids)))

@@ -96,6 +96,45 @@ class Recorded:
     logits: torch.Tensor | None = None  # the recorded run's
 
 
+@dataclass
+class Drafting:
+    """The drafter's forward over every slot (:meth:`SlotCache.record_drafts`): its input
+    buffers, each slot's newest token and its position, and its drafts ``[slots, B-1]``
+    (``graph`` is None where it runs eagerly)."""
+
+    last: torch.Tensor  # [slots]
+    p: torch.Tensor  # [slots]
+    run: Callable[[], torch.Tensor]
+    graph: torch.cuda.CUDAGraph | None = None
+    drafts: torch.Tensor | None = None  # the recorded run's
+
+
+def capture(run: Callable[[], torch.Tensor], what: str) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
+    """``run`` recorded as a CUDA graph, and the output its replays write: run twice on a
+    side stream first (allocating its buffers, loading the kernels), the second time with
+    host waits refused. A run that makes the host wait for the device cannot be recorded:
+    ``(None, None)``, with a warning naming ``what`` runs eagerly."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            run()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    except RuntimeError as e:
+        torch.cuda.current_stream().wait_stream(side)
+        log.warning("%s runs eagerly: it makes the host wait for the device (%s)", what, str(e).splitlines()[0])
+        return None, None
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out
+
+
 class SlotCache:
     """Rows decoding together in the fixed slots of one :class:`SlotKV`; :meth:`forward`
     runs the target over ``q`` new tokens of every slot, recorded per ``q``."""
@@ -110,6 +149,8 @@ class SlotCache:
         self.drafter_kv: list[torch.Tensor] = []  # [slots, columns, F] each: what ``features`` made of each column
         self.used = 0
         self.recorded: dict[int, Recorded] = {}
+        self.drafting: Drafting | None = None
+        self.draft_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def slots(self) -> int:
@@ -154,27 +195,8 @@ class SlotCache:
 
         r.run = run
         self.recorded[q] = r
-        if self.device.type != "cuda":
-            return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side):
-                run()
-                torch.cuda.set_sync_debug_mode("error")  # a forward that waits for the device cannot be recorded
-                try:
-                    run()
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-        except RuntimeError as e:
-            torch.cuda.current_stream().wait_stream(side)
-            log.warning("the target's forward of %d tokens per row runs eagerly: it makes the host wait for the "
-                        "device (%s)", q, str(e).splitlines()[0])
-            return
-        torch.cuda.current_stream().wait_stream(side)
-        r.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(r.graph):
-            r.logits = run()
+        if self.device.type == "cuda":
+            r.graph, r.logits = capture(run, f"the target's forward of {q} tokens per row")
 
     def resize(self, columns: int) -> None:
         """Room for ``columns`` columns: the buffers move, every forward is recorded again."""
@@ -193,6 +215,34 @@ class SlotCache:
         self.kv.columns = columns
         for q in list(self.recorded):
             self.record(q)
+        if self.draft_fn is not None:
+            self.record_drafts(self.draft_fn)
+
+    def record_drafts(self, draft: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Prepare the drafter's forward over every slot: ``draft(last, p)`` gives every
+        slot's drafts ``[slots, B-1]`` from its newest token ``last [slots]`` at position
+        ``p [slots]`` and the context this cache holds (:attr:`drafter_kv`, :attr:`valid`,
+        :attr:`positions`, all columns: a fixed shape, so on CUDA it is recorded, again
+        after every growth). A free slot drafts from no context; nobody reads it."""
+        self.draft_fn = draft
+        d = Drafting(last=torch.zeros(self.slots, dtype=torch.long, device=self.device),
+                     p=torch.zeros(self.slots, dtype=torch.long, device=self.device), run=lambda: d.last)
+        d.run = lambda: draft(d.last, d.p)
+        self.drafting = d
+        if self.device.type == "cuda":
+            d.graph, d.drafts = capture(d.run, "the drafter's forward")
+
+    def draft(self, slots: torch.Tensor, last: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """The drafts ``[b, B-1]`` of the rows in ``slots [b]`` (:meth:`record_drafts`)."""
+        d = self.drafting
+        d.last.zero_()
+        d.p.zero_()
+        d.last[slots] = last
+        d.p[slots] = p
+        if d.graph is None:
+            return d.run()[slots]
+        d.graph.replay()
+        return d.drafts[slots]
 
     def context_buffers(self, like: list[torch.Tensor]) -> list[torch.Tensor]:
         """:attr:`drafter_kv`, allocated at the first write, shaped after ``like [.., F]``."""
@@ -287,7 +337,7 @@ class SlotCache:
         self.positions[:, :width] = self.positions.gather(1, order)
         for t in self.drafter_kv:
             t[:, :width] = t.gather(1, order[..., None].expand(-1, -1, t.shape[-1]))
-        self.valid = torch.arange(self.columns, device=self.device)[None] < held[:, None]
+        self.valid.copy_(torch.arange(self.columns, device=self.device)[None] < held[:, None])  # in place: recorded
         self.used = width
 
 

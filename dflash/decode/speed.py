@@ -88,11 +88,12 @@ def measure_speed(target_model: nn.Module, drafter: DFlashDrafter, head: TargetH
 def graphs(device: torch.device) -> str:
     """What replays as CUDA graphs in this loop: on CUDA the target's forwards at decoding
     shapes (:class:`dflash.decode.slots.SlotCache` records each query length once, and warns
-    of a forward it cannot record), for the target alone and for speculative decoding alike;
-    the prefill and the drafter run eagerly."""
+    of a forward it cannot record), for the target alone and for speculative decoding alike,
+    at every batch size, and the greedy drafter's forward over the cache; the prefill runs
+    eagerly."""
     if device.type != "cuda":
         return "eager"
-    return "the target's decoding forwards as CUDA graphs, the prefill and the drafter eager"
+    return "the target's decoding forwards and the drafter's as CUDA graphs, the prefill eager"
 
 
 def format_speed(report: dict) -> str:

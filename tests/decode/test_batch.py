@@ -94,6 +94,30 @@ def test_ragged_acceptance_gives_every_row_the_batch_one_result(target64):
     assert len({n for _, lengths in expected for n in lengths}) == B
 
 
+def test_one_prompt_at_a_time_runs_the_slot_cache_as_the_batch_one_loop(target64, monkeypatch):
+    """Batch 1 decodes through the slot cache too (its fixed shapes replay as CUDA graphs on a
+    GPU), the drafter's forward recorded over all of the cache's columns: each prompt gives
+    the eager batch-1 loop's tokens and acceptance lengths, with scripted drafts that are
+    often kept, and with random ones over 120 tokens, where the cache grows and the drafter's
+    forward is recorded again at the new width."""
+    widths = []
+    record_drafts = SlotCache.record_drafts
+    monkeypatch.setattr(SlotCache, "record_drafts", lambda cache, fn: (widths.append(cache.columns),
+                                                                       record_drafts(cache, fn))[1])
+    ids = prompts(3, seed=4)
+    drafter, head = prefix_drafter(target64, ids, wrong=0.3), OneHotHead(VOCAB, torch.float64)
+    expected = batch_one(target64, drafter, head, ids)
+    assert batched(target64, drafter, head, ids, batch_size=1) == expected
+    assert batched(target64, drafter, head, ids[:1], batch_size=4) == expected[:1]  # one prompt: one slot
+    assert max(n for _, lengths in expected for n in lengths) == B and len(widths) == 2
+    widths.clear()
+    drafter, head = random_drafter(seed=3), TargetHead.of(target64)
+    long = [speculative_generate(target64, drafter, head, p, max_new_tokens=120) for p in ids[:1]]
+    assert run_to_end(speculative_batch_steps(target64, drafter, head, ids[:1], max_new_tokens=120,
+                                              batch_size=1)) == long
+    assert len(widths) == 2 and widths[1] > widths[0]  # grown once, and recorded again
+
+
 def test_a_stop_token_accepted_among_the_drafts_ends_that_rows_cycles(target64):
     """Rows whose stop token arrives among accepted drafts end with that cycle, as the
     hand-counted loop does; the others run on to their budget or their own stop."""

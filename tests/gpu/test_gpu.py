@@ -415,6 +415,35 @@ def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
     assert got == expected
 
 
+def test_the_drafters_forward_replays_as_a_cuda_graph_at_batch_one_and_sixteen(monkeypatch):
+    """Greedy drafting records the drafter's forward over the slot cache's columns as a CUDA
+    graph (again after the cache grows); one prompt at a time and 16 at once give the eager
+    batch-1 loop's tokens and acceptance lengths (float32)."""
+    from helpers import varied_target
+
+    from dflash.decode.batch import speculative_batch_steps
+    from dflash.decode.slots import SlotCache
+    from dflash.decode.speculative import run_to_end, speculative_generate
+    from dflash.model.drafter import TargetHead
+
+    caches = []
+    record_drafts = SlotCache.record_drafts
+    monkeypatch.setattr(SlotCache, "record_drafts", lambda cache, fn: (caches.append(cache), record_drafts(cache, fn))[1])
+    target = varied_target(vocab=96).cuda()
+    drafter = tiny_drafter(vocab=96, block_size=4).cuda().eval()
+    drafter.reset_parameters(0.2)
+    head = TargetHead.of(target)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 95, (1, 5 + 3 * i), generator=g).cuda() for i in range(4)]
+    expected = [speculative_generate(target, drafter, head, p, max_new_tokens=100) for p in prompts]
+    for batch in (1, 16):
+        caches.clear()
+        got = run_to_end(speculative_batch_steps(target, drafter, head, prompts, max_new_tokens=100, batch_size=batch))
+        assert got == expected
+        assert caches and all(c.drafting.graph is not None for c in caches)
+    assert len(caches) >= 2  # the cache grew and the drafter's forward was recorded again
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
 def test_grouped_attention_on_cuda_equals_the_float64_math(additive, dtype):
