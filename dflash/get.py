@@ -30,7 +30,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash.model.convert import DTYPES, Converted, convert_gguf
+from dflash.model.convert import DTYPES, BadGGUF, Converted, convert_gguf
 from dflash.run.config import config_dir
 
 log = logging.getLogger("dflash.get")
@@ -118,11 +118,17 @@ def main(argv: list[str] | None = None) -> Converted:
     out = args.out or (package.out if package else None)
     if out is None:
         ap.error("--gguf without a target name needs --out DIR")
+    if args.gguf and not Path(args.gguf).is_file():
+        raise SystemExit(f"--gguf {args.gguf}: " + ("a directory, not a GGUF file" if Path(args.gguf).is_dir()
+                                                   else "no such file"))
     gguf = Path(args.gguf) if args.gguf else find_gguf(package, Path(args.cache))
     print(f"converting {gguf} ({gguf.stat().st_size / 2**20:.0f} MiB) to {out} in {args.dtype} ...", flush=True)
-    converted = convert_gguf(gguf, out, args.dtype)
-    if package is not None:
-        check_preset(package, converted)
+    try:  # the preset is checked before anything is written: a refused conversion leaves no directory
+        converted = convert_gguf(gguf, out, args.dtype, check=(lambda c: check_preset(package, c)) if package else None)
+    except BadGGUF as e:  # one line naming the file, no traceback; nothing written
+        cached = not args.gguf and gguf.parent == Path(args.cache)
+        hint = "; delete it and run again to download it again" if cached else ""
+        raise SystemExit(f"{e}{hint}") from None
     print(f"{converted.path}: {converted.model_type}, {converted.parameters / 1e6:.1f}M parameters, "
           f"mask token {converted.mask_token_id} {converted.mask_token} ({converted.seconds:.0f} s)\n"
           f"train a drafter on it:\n  {train_command(package, converted, out)}", flush=True)
