@@ -34,8 +34,11 @@ from dflash.decode.evaluate import (
 from dflash.decode.public_sets import (
     HarnessSettings,
     compare_table,
+    conversations,
     evaluate_sets,
+    harness_prompt_ids,
     harness_record,
+    harness_stop_ids,
     parse_sets,
 )
 from dflash.decode.speculative import TAU_COUNT, DecodeSettings
@@ -82,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "which in bf16 can flip near-tied argmaxes and so 'lossless'; float32 keeps that far below logit gaps",
     )
     ap.add_argument("--speed", type=positive, default=None, metavar="N",
-                    help="--data: also time N prompts of the first set: the target alone, speculative decoding and "
+                    help="also time N prompts of the first set (--data or --sets): the target alone, speculative decoding and "
                     "transformers' prompt lookup, tokens/s at --speed-batch (the report's 'speed')")
     ap.add_argument("--speed-batch", type=positive, nargs="+", default=[1, 16])
     ap.add_argument("--trust-remote-code", action="store_true")
@@ -129,6 +132,14 @@ def score_sets(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
         "tau": sum(taus) / len(taus) if taus else None, "lossless": all(greedy) if greedy else None,
         "harness": harness_record(settings), "results": results,
     }
+    if args.speed:  # the first set's first turns, as the harness renders them and stops
+        name, source = next(iter(sets.items()))
+        turns = conversations(name, source, settings)[: args.speed]
+        ids = [harness_prompt_ids(tokenizer, [{"role": "user", "content": t[0]}], settings.enable_thinking).to(device)
+               for t in turns]
+        report["speed"] = measure_speed(target_model, drafter, head, ids, max_new_tokens=settings.max_new_tokens,
+                                        eos_ids=harness_stop_ids(tokenizer), batch_sizes=args.speed_batch)
+        print(format_speed(report["speed"]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     return report

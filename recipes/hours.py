@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> str:
     given = ap.add_mutually_exclusive_group(required=True)
     given.add_argument("--data", help="the prompt set that will be regenerated and trained on")
     given.add_argument("--samples", type=int, help="at most this many samples per epoch (before the prompts exist)")
+    ap.add_argument("--per-prompt", type=int, default=1, help="--data: samples each prompt becomes (regenerated so often)")
     ap.add_argument("--epochs", type=float, default=6.0, help="train.epochs (the paper's: 6)")
     ap.add_argument("--gpus", type=int, default=1)
     args = ap.parse_args(argv)
-    samples = count_samples(args.data) if args.data else args.samples
+    samples = count_samples(args.data) * args.per_prompt if args.data else args.samples
     line = describe(samples, args.epochs, args.gpus, plan_rate(sys.stdin.read()), bound=args.data is None)
     print(line)
     return line

@@ -55,8 +55,8 @@ def table(work: Path, seconds: float | None = None) -> str:
         notes.append(f"prompts: {s['train']} for training, {s['heldout']} held out ({s['by_source']}); dropped for a "
                      f"HumanEval function name or 10-token span: {sum(s['dropped_for_overlap'].values())}")
     notes.append("tok/s: this project's decoding loop at the evaluation's batch size, speculative against the target "
-                 "alone (greedy); on a GPU the target's decoding forwards replay as CUDA graphs in both, the prefill and "
-                 "the drafter run eagerly; wall time includes the prefill")
+                 "alone (greedy); on a GPU the target's decoding forwards replay as CUDA graphs in both, and so does "
+                 "the drafter's, the prefill runs eagerly; wall time includes the prefill")
     if seconds is not None:
         notes.append(f"recipe wall time: {seconds / 60:.1f} min")
     return "\n".join(lines + [""] + [f"- {n}" for n in notes])

@@ -31,6 +31,7 @@ RoPE) cannot be recorded and runs eagerly on the same cache.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,8 +131,14 @@ def capture(run: Callable[[], torch.Tensor], what: str) -> tuple[torch.cuda.CUDA
         return None, None
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    collecting = gc.isenabled()
+    gc.disable()  # a collection inside the capture could free an earlier graph, which ends the capture
+    try:
+        with torch.cuda.graph(graph):  # collects what is garbage first
+            out = run()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, out
 
 

@@ -195,6 +195,20 @@ def test_bench_scores_every_set_and_compares_two_reports(tmp_path):
     assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == ["| gsm8k", "| mt-bench"]
 
 
+def test_a_public_set_is_timed_on_its_first_turns_as_the_harness_renders_them(tmp_path):
+    """``--sets ... --speed N``: N prompts of the first set, rendered and stopped as the
+    harness does, timed alone, speculative and by prompt lookup; every response the target's."""
+    save_export(demo_drafter(), tmp_path / "ours", dtype="float32")
+    report = main(["--target", "demo", "--sets", "gsm8k,mt-bench", "--sets-dir", str(FIXTURES), "--max-samples", "2",
+                   "--max-new-tokens", "8", "--device", "cpu", "--drafter", str(tmp_path / "ours"),
+                   "--out", str(tmp_path / "ours.json"), "--speed", "2", "--speed-batch", "1"])
+    rows = report["speed"]["rows"]
+    assert [(r["mode"], r["batch"], r["prompts"]) for r in rows] == [
+        ("target alone", 1, 2), ("speculative", 1, 2), ("prompt lookup (10)", 1, 2)]
+    assert [r["same_as_target"] for r in rows[1:]] == [2, 2] and rows[0]["new_tokens"] > 0
+    assert json.loads((tmp_path / "ours.json").read_text())["speed"] == report["speed"]
+
+
 def test_reports_measured_differently_are_not_compared():
     ours = {"harness": {"max_new_tokens": 2048}, "results": {}}
     with pytest.raises(ValueError, match="measured differently"):

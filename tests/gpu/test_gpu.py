@@ -444,6 +444,25 @@ def test_the_drafters_forward_replays_as_a_cuda_graph_at_batch_one_and_sixteen(m
     assert len(caches) >= 2  # the cache grew and the drafter's forward was recorded again
 
 
+def test_decodings_back_to_back_record_again_as_their_caches_grow():
+    """Seen on an H100 with SmolLM2: the second of two greedy decodings at batch 1 ended in
+    ``cudaErrorStreamCaptureInvalidated`` when its cache grew, the first decoding's graphs
+    being collected inside the new capture. Captures hold Python's collector off now."""
+    import gc
+
+    from helpers import varied_target
+
+    from dflash.decode.batch import greedy_batch_steps
+    from dflash.decode.speculative import greedy_generate, run_to_end
+
+    target = varied_target(vocab=96).cuda()
+    prompt = torch.randint(0, 95, (1, 7), generator=torch.Generator().manual_seed(2)).cuda()
+    expected = greedy_generate(target, prompt, 200)
+    for _ in range(3):
+        assert run_to_end(greedy_batch_steps(target, [prompt], 200, batch_size=1)) == [expected]
+        assert gc.isenabled()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("additive", [False, True], ids=["boolean", "additive"])
 def test_grouped_attention_on_cuda_equals_the_float64_math(additive, dtype):
