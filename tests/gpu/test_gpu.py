@@ -380,24 +380,33 @@ def test_a_packed_prefill_under_flex_attention_keeps_samples_apart():
     assert target.packing_error() < 0.05
 
 
-def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
-    """The slot cache records its forwards as CUDA graphs (a Qwen3 target has no host
-    wait in its forward), and batched decoding through them gives every row the eager
-    batch-1 loop's tokens and acceptance lengths (float32)."""
+def decoding_models(seed: int, count: int):
+    """A float32 target, a random drafter (mostly rejected) and its head on the GPU, and
+    ``count`` prompts of 5, 8, 11, ... tokens."""
     from helpers import varied_target
-    from transformers import DynamicCache
 
-    from dflash.decode.batch import speculative_batch_steps
-    from dflash.decode.slots import SlotCache
-    from dflash.decode.speculative import run_to_end, speculative_generate, with_cache
     from dflash.model.drafter import TargetHead
 
     target = varied_target(vocab=96).cuda()
     drafter = tiny_drafter(vocab=96, block_size=4).cuda().eval()
     drafter.reset_parameters(0.2)
-    head = TargetHead.of(target)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 95, (1, 5 + 3 * i), generator=g).cuda() for i in range(5)]
+    g = torch.Generator().manual_seed(seed)
+    return target, drafter, TargetHead.of(target), [torch.randint(0, 95, (1, 5 + 3 * i), generator=g).cuda()
+                                                    for i in range(count)]
+
+
+def test_decoding_forwards_replay_as_cuda_graphs_and_match_the_batch_one_loop():
+    """The slot cache records its forwards as CUDA graphs (a Qwen3 target has no host
+    wait in its forward), and batched decoding through them gives every row the eager
+    batch-1 loop's tokens and acceptance lengths (float32)."""
+    from transformers import DynamicCache
+
+    from dflash.decode.batch import speculative_batch_steps
+    from dflash.decode.slots import SlotCache
+    from dflash.decode.speculative import run_to_end, speculative_generate, with_cache
+
+    target, drafter, head, prompts = decoding_models(seed=0, count=5)
+    g = torch.Generator().manual_seed(5)
     with torch.inference_mode():
         cache = SlotCache(target, slots=2, columns=64)
         cache.record(4)
@@ -419,22 +428,14 @@ def test_the_drafters_forward_replays_as_a_cuda_graph_at_batch_one_and_sixteen(m
     """Greedy drafting records the drafter's forward over the slot cache's columns as a CUDA
     graph (again after the cache grows); one prompt at a time and 16 at once give the eager
     batch-1 loop's tokens and acceptance lengths (float32)."""
-    from helpers import varied_target
-
     from dflash.decode.batch import speculative_batch_steps
     from dflash.decode.slots import SlotCache
     from dflash.decode.speculative import run_to_end, speculative_generate
-    from dflash.model.drafter import TargetHead
 
     caches = []
     record_drafts = SlotCache.record_drafts
     monkeypatch.setattr(SlotCache, "record_drafts", lambda cache, fn: (caches.append(cache), record_drafts(cache, fn))[1])
-    target = varied_target(vocab=96).cuda()
-    drafter = tiny_drafter(vocab=96, block_size=4).cuda().eval()
-    drafter.reset_parameters(0.2)
-    head = TargetHead.of(target)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, 95, (1, 5 + 3 * i), generator=g).cuda() for i in range(4)]
+    target, drafter, head, prompts = decoding_models(seed=1, count=4)
     expected = [speculative_generate(target, drafter, head, p, max_new_tokens=100) for p in prompts]
     for batch in (1, 16):
         caches.clear()
