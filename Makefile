@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-gpu reproduce clean
+.PHONY: install demo test test-gpu mutate reproduce clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ test: install
 test-gpu: install
 	$(PY) -m pytest -q -m gpu
 
+# mutation testing of one module against the tests that cover it (docs/testing.md): minutes a module on 2 cores, so
+# not part of `test`. TESTS: pytest arguments choosing the tests (default: the test files that import MODULE);
+# ONLY: globs of mutant names, to test some functions' mutants only (ONLY="dflash.prompts.x_held_out*")
+# make mutate MODULE=dflash/run/warmup.py [TESTS="tests/run/test_warmup.py tests/run/test_warmup_pins.py"]
+mutate: install
+	$(PY) -m pip install -q -e ".[test,mutate]"
+	$(PY) tools/mutate.py $(MODULE) $(if $(TESTS),--tests "$(TESTS)") $(foreach g,$(ONLY),--only "$(g)")
+
 # recipes/qwen3_8b.sh: MODEL=/models/Qwen3-8B PROMPTS=prompts.jsonl RELEASED=/models/Qwen3-8B-DFlash-b16
 # [WORK=runs/qwen3_8b] [DRY_RUN=1] [SERVER=http://host:8000]; the table lands in $(WORK)/acceptance.md
 WORK ?= runs/qwen3_8b
@@ -40,4 +48,4 @@ reproduce: install
 	PYTHON=$(PY) recipes/qwen3_8b.sh "$(MODEL)" "$(PROMPTS)" "$(RELEASED)" "$(WORK)"
 
 clean:
-	rm -rf $(VENV) outputs
+	rm -rf $(VENV) outputs mutants

