@@ -131,7 +131,7 @@ class Protocol:
         topo, init = self.topo, self.timeouts.init_s
         backend_timeout = datetime.timedelta(seconds=self.timeouts.step_s + BACKEND_GRACE_S)
         with self._failing("joining the job (the rendezvous store)", init, self.everyone_but_me()):
-            store, _, _ = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=datetime.timedelta(seconds=init)))
+            store = self._join_store(datetime.timedelta(seconds=init))
         self.store = dist.PrefixStore("dflash", store)
         self._gather("joining the job", None, range(topo.world_size), init)
         with self._failing("creating the process groups", init, self.everyone_but_me()):
@@ -152,6 +152,28 @@ class Protocol:
                                                 group_desc="eval_weights")
         self._first_contact()
         self._gather("connecting every target to every drafter", None, range(topo.world_size), init)
+
+    def _join_store(self, timeout: datetime.timedelta) -> dist.Store:
+        """The rendezvous store, without waiting for the other ranks: the gather of
+        "joining the job" that follows waits for them and names the missing ones.
+
+        Under torchrun the agent hosts the store and every rank is a client. Without it
+        (tests, benchmarks, ``set_rank_env``) rank 0 hosts it, and ``dist.rendezvous``
+        would make rank 0 wait inside the store's constructor for every rank to connect.
+        On a timeout that constructor fails and takes the store down at once, under the
+        ranks that did arrive: their own waits, begun later, then fail before their bound,
+        naming every rank, themselves included, and rank 0's message names none. So here
+        rank 0 starts the store and goes on; the store stays up as long as rank 0 does."""
+        topo = self.topo
+        if topo.rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            store, _, _ = next(dist.rendezvous("env://", topo.rank, topo.world_size, timeout=timeout))
+            return store
+        try:
+            host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        except KeyError as e:
+            raise ValueError(f"rank 0 hosts the rendezvous store without torchrun: set {e.args[0]}") from e
+        return dist.TCPStore(host, port, topo.world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             multi_tenant=True, use_libuv=os.environ.get("USE_LIBUV", "1") == "1")
 
     def _first_contact(self) -> None:
         """One small message on every pair and one all-reduce in the drafter group, so
@@ -366,18 +388,16 @@ class Protocol:
             try:
                 self.store.wait(keys, datetime.timedelta(seconds=timeout_s))
             except dist.DistError as e:
-                missing = [r for r, k in zip(sources, keys) if not self._has(k)]
+                try:
+                    missing = [r for r, k in zip(sources, keys) if not self.store.check([k])]
+                except dist.DistError:  # not a timeout: every rank would be named, this one too
+                    raise ProtocolError(f"rank {self.rank}: {what} failed: the rendezvous store stopped answering "
+                                        f"(its host ended: the torchrun agent, or rank 0 without torchrun): {e}") from e
                 raise ProtocolError(describe(self.rank, what, timeout_s, missing)) from e
 
     def _peek(self, key: str) -> Any:
         """The value under ``key`` if it is there yet, without waiting; else None."""
         return json.loads(self.store.get(key)) if self.store.check([key]) else None
-
-    def _has(self, key: str) -> bool:
-        try:
-            return self.store.check([key])
-        except dist.DistError:
-            return False
 
     @contextmanager
     def _failing(self, what: str, timeout_s: float, peers: Iterable[int]) -> Iterator[None]:
