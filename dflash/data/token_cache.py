@@ -168,6 +168,8 @@ def tokenise_once(cache_dir: Path, key: str, tokenise: Callable[[], Tokenised], 
         try:
             with os.fdopen(fd, "w") as fh:
                 fh.write(f"{socket.gethostname()} {os.getpid()}\n")
+            if path.is_file():  # written, and its lock let go, between the look above and this lock
+                return _load(path), True
             data = tokenise()
             _save(path, data)
             return data, False

@@ -138,6 +138,27 @@ def test_on_a_first_start_one_process_tokenises_and_the_others_wait(tmp_path):
     assert sorted(cached for _, cached in results) == [False, True, True]
 
 
+def test_a_cache_written_between_the_look_and_the_lock_is_read_not_made_again(tmp_path, monkeypatch):
+    """Another process may save the cache and let go of its lock after this one looked for the
+    file and before it took the lock: the file is looked for again under the lock."""
+    import dflash.data.token_cache as token_cache
+
+    cache = tmp_path / "cache"
+    made = []
+    first, _ = tokenise_once(cache, "first", lambda: _slow_tokenise(str(tmp_path)), wait_s=5)
+    real_open = os.open
+
+    def open_after_the_other_finished(path, *args):
+        if str(path).endswith("k.lock") and not (cache / "k.npz").exists():
+            (cache / "first.npz").rename(cache / "k.npz")  # the other process's save, just now
+        return real_open(path, *args)
+
+    monkeypatch.setattr(token_cache.os, "open", open_after_the_other_finished)
+    data, cached = tokenise_once(cache, "k", lambda: made.append(1) or first, wait_s=5)
+    assert cached and made == [] and data.ids[0].tolist() == first.ids[0].tolist()
+    assert not (cache / "k.lock").exists()
+
+
 def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
