@@ -74,7 +74,9 @@ def decoding_site(monkeypatch, model, tokenizer, prompts, kwargs: dict, outputs:
         return next(out for ids, out in seen if ids == prompt_ids[0].tolist())
         yield
 
-    # The per-prompt loops (batch_size=1), where the batched decoding calls them.
+    # The per-prompt loops, where the batched decoding calls them (for a target decoded one
+    # prompt at a time: its cache cannot be cut back per row).
+    monkeypatch.setattr(batch, "single", lambda target_model: True)
     monkeypatch.setattr(batch, "speculative_steps", scripted)
     monkeypatch.setattr(batch, "greedy_steps", greedy)
     drafter = tiny_drafter(vocab=len(tokenizer))
