@@ -103,11 +103,14 @@ class Drafting:
     buffers, each slot's newest token and its position, and its drafts ``[slots, B-1]``
     (``graph`` is None where it runs eagerly)."""
 
+    draft: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last, p) -> drafts, read from the cache
     last: torch.Tensor  # [slots]
     p: torch.Tensor  # [slots]
-    run: Callable[[], torch.Tensor]
     graph: torch.cuda.CUDAGraph | None = None
     drafts: torch.Tensor | None = None  # the recorded run's
+
+    def run(self) -> torch.Tensor:
+        return self.draft(self.last, self.p)
 
 
 def capture(run: Callable[[], torch.Tensor], what: str) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
@@ -157,7 +160,6 @@ class SlotCache:
         self.used = 0
         self.recorded: dict[int, Recorded] = {}
         self.drafting: Drafting | None = None
-        self.draft_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def slots(self) -> int:
@@ -222,8 +224,8 @@ class SlotCache:
         self.kv.columns = columns
         for q in list(self.recorded):
             self.record(q)
-        if self.draft_fn is not None:
-            self.record_drafts(self.draft_fn)
+        if self.drafting is not None:
+            self.record_drafts(self.drafting.draft)
 
     def record_drafts(self, draft: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         """Prepare the drafter's forward over every slot: ``draft(last, p)`` gives every
@@ -231,10 +233,8 @@ class SlotCache:
         ``p [slots]`` and the context this cache holds (:attr:`drafter_kv`, :attr:`valid`,
         :attr:`positions`, all columns: a fixed shape, so on CUDA it is recorded, again
         after every growth). A free slot drafts from no context; nobody reads it."""
-        self.draft_fn = draft
-        d = Drafting(last=torch.zeros(self.slots, dtype=torch.long, device=self.device),
-                     p=torch.zeros(self.slots, dtype=torch.long, device=self.device), run=lambda: d.last)
-        d.run = lambda: draft(d.last, d.p)
+        d = Drafting(draft, last=torch.zeros(self.slots, dtype=torch.long, device=self.device),
+                     p=torch.zeros(self.slots, dtype=torch.long, device=self.device))
         self.drafting = d
         if self.device.type == "cuda":
             d.graph, d.drafts = capture(d.run, "the drafter's forward")
